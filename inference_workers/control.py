@@ -1,0 +1,82 @@
+"""Every worker reads the whole control topic (no consumer group): a cancel or halt names a request id, and
+only the worker generating it acts. Events are read from a short look-back at start-up, so a cancel that
+arrived while its request still waited in the backlog is not missed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from aiokafka import AIOKafkaConsumer, ConsumerRecord
+
+from runtime.kafka_clients import all_partitions, consume, make_consumer
+from runtime.settings import KafkaSettings
+from schemas.codec import codec_for
+from schemas.events import ControlEvent
+
+log = logging.getLogger(__name__)
+
+
+class RecentControls:
+    """Bounded memory of control events by request id (for requests not yet started here)."""
+
+    def __init__(self, capacity: int = 50_000) -> None:
+        self._events: OrderedDict[str, ControlEvent] = OrderedDict()
+        self._capacity = capacity
+
+    def remember(self, event: ControlEvent) -> None:
+        self._events[event.request_id] = event
+        self._events.move_to_end(event.request_id)
+        while len(self._events) > self._capacity:
+            self._events.popitem(last=False)
+
+    def get(self, request_id: str) -> ControlEvent | None:
+        return self._events.get(request_id)
+
+
+class ControlListener:
+    def __init__(self, kafka: KafkaSettings, topic: str, lookback_s: float,
+                 on_event: Callable[[ControlEvent], None]) -> None:
+        self._kafka = kafka
+        self._topic = topic
+        self._lookback_s = lookback_s
+        self._on_event = on_event
+        self._consumer: AIOKafkaConsumer | None = None
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        consumer = make_consumer(self._kafka, role="worker-control")
+        await consumer.start()
+        partitions = await all_partitions(consumer, self._topic)
+        consumer.assign(partitions)
+        since_ms = int((time.time() - self._lookback_s) * 1000)
+        found = await consumer.offsets_for_times({tp: since_ms for tp in partitions})
+        for tp in partitions:
+            hit = found.get(tp)
+            if hit is None:
+                await consumer.seek_to_end(tp)
+            else:
+                consumer.seek(tp, hit.offset)
+        self._consumer = consumer
+        self._task = asyncio.create_task(
+            consume(consumer, codec_for(ControlEvent), self._handle, stop=self._stop), name="control-listener"
+        )
+
+    async def _handle(self, event: ControlEvent, _record: ConsumerRecord[bytes, bytes]) -> None:
+        self._on_event(event)
+
+    @property
+    def healthy(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._consumer is not None:
+            await self._consumer.stop()

@@ -1,0 +1,124 @@
+"""vLLM's AsyncLLM behind the worker's :class:`EngineClient` protocol. The only module that imports vLLM.
+
+Continuous batching and prefix caching are vLLM's; this adapter builds the engine from settings (CPU or CUDA
+defaults), turns a :class:`SamplingSpec` into ``SamplingParams`` with delta outputs, and maps vLLM's outputs
+and errors onto the protocol.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from inference_workers.protocol import EngineDeadError, EngineDelta
+from runtime.settings import EngineSettings, ModelSettings
+from schemas.events import SamplingSpec
+
+log = logging.getLogger(__name__)
+
+
+def engine_args(model: ModelSettings, engine: EngineSettings) -> dict[str, Any]:
+    """The vLLM engine arguments these settings stand for (also used to start vLLM's own server in bench)."""
+    eff = engine.effective()
+    args: dict[str, Any] = {
+        "model": str(model.path),
+        "served_model_name": model.served_name,
+        "dtype": eff.dtype,
+        "max_model_len": model.max_model_len,
+        "max_num_seqs": eff.max_num_seqs,
+        "enable_prefix_caching": eff.enable_prefix_caching,
+        "enforce_eager": eff.enforce_eager,
+        "load_format": eff.load_format,
+        "seed": eff.seed,
+        "disable_log_stats": True,
+        # One process fewer: the model runs inside the engine-core process (single device).
+        "distributed_executor_backend": "uni",
+    }
+    if eff.kv_cache_memory_bytes:
+        args["kv_cache_memory_bytes"] = eff.kv_cache_memory_bytes
+    if eff.resolved_device == "cuda":
+        args["gpu_memory_utilization"] = eff.gpu_memory_utilization
+    if eff.max_num_batched_tokens:
+        args["max_num_batched_tokens"] = eff.max_num_batched_tokens
+    if eff.speculative_config:
+        args["speculative_config"] = eff.speculative_config
+    return args
+
+
+class VllmEngine:
+    def __init__(self, llm: Any, args: dict[str, Any]) -> None:
+        self._llm = llm
+        self._args = args
+
+    @classmethod
+    def start(cls, model: ModelSettings, engine: EngineSettings) -> VllmEngine:
+        """Blocking: spawns the engine-core process, loads the weights, sizes the KV cache."""
+        eff = engine.effective()
+        # Both are read by vLLM / torch, also in the engine-core process, which inherits this environment.
+        os.environ.setdefault("VLLM_CACHE_ROOT", str(eff.cache_dir))
+        if eff.omp_num_threads:
+            os.environ["OMP_NUM_THREADS"] = str(eff.omp_num_threads)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = engine_args(model, engine)
+        log.info("starting the vLLM engine", extra={"engine_args": args})
+        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        return cls(llm, args)
+
+    @property
+    def max_num_seqs(self) -> int:
+        return int(self._args["max_num_seqs"])
+
+    @property
+    def healthy(self) -> bool:
+        return not self._llm.errored
+
+    def describe(self) -> dict[str, object]:
+        return dict(self._args)
+
+    @staticmethod
+    def sampling_params(spec: SamplingSpec) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            max_tokens=spec.max_tokens,
+            temperature=spec.temperature,
+            top_p=spec.top_p,
+            top_k=spec.top_k,
+            min_tokens=spec.min_tokens,
+            seed=spec.seed,
+            stop=spec.stop or None,
+            ignore_eos=spec.ignore_eos,
+            repetition_penalty=spec.repetition_penalty,
+            presence_penalty=spec.presence_penalty,
+            frequency_penalty=spec.frequency_penalty,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
+                       ) -> AsyncIterator[EngineDelta]:
+        from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDead
+
+        params = self.sampling_params(sampling)
+        prompt_tokens = len(prompt_token_ids)
+        try:
+            async for out in self._llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids), params,
+                                                request_id):
+                completion = out.outputs[0]
+                yield EngineDelta(
+                    token_ids=list(completion.token_ids),
+                    text=completion.text,
+                    finish_reason=completion.finish_reason if out.finished else None,
+                    prompt_tokens=prompt_tokens,
+                    cached_tokens=out.num_cached_tokens or 0,
+                )
+        except VllmEngineDead as exc:
+            raise EngineDeadError(str(exc)) from exc
+
+    def shutdown(self) -> None:
+        self._llm.shutdown()

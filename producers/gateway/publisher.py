@@ -1,0 +1,53 @@
+"""Produces the gateway's events: chat requests (to the request topic) and cancels (to the control topic).
+
+One idempotent producer (``acks=all``) per gateway process. A request is keyed by its conversation id when
+it has one, so the turns of a conversation land on one partition (one worker, a warm prefix cache).
+"""
+
+from __future__ import annotations
+
+import time
+
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
+
+from producers.gateway.errors import unavailable
+from runtime.metrics import GATEWAY_CANCELS
+from runtime.settings import KafkaSettings
+from runtime.tracing import to_headers
+from schemas.codec import codec_for
+from schemas.events import ChatRequest, ControlAction, ControlEvent, utcnow
+from schemas.topics import TopicSpec
+
+
+class EventPublisher:
+    def __init__(self, producer: AIOKafkaProducer, kafka: KafkaSettings, request_topic: TopicSpec,
+                 control_topic: TopicSpec, gateway_id: str) -> None:
+        self._producer = producer
+        self._request_topic = kafka.topic(request_topic.name)
+        self._control_topic = kafka.topic(control_topic.name)
+        self._gateway_id = gateway_id
+        self._requests = codec_for(ChatRequest)
+        self._controls = codec_for(ControlEvent)
+
+    async def submit(self, request: ChatRequest, traceparent: str) -> None:
+        """Produce the request and wait for the broker's ack: the request is durable when this returns."""
+        try:
+            await self._producer.send_and_wait(
+                self._request_topic,
+                value=self._requests.encode(request),
+                key=request.partition_key.encode(),
+                headers=to_headers(traceparent),
+                timestamp_ms=int(time.time() * 1000),
+            )
+        except KafkaError as exc:
+            raise unavailable(f"The request queue is unavailable ({type(exc).__name__}); retry shortly.") from exc
+
+    async def cancel(self, request_id: str, reason: str, traceparent: str | None = None) -> None:
+        event = ControlEvent(request_id=request_id, action=ControlAction.CANCEL, reason=reason,
+                             issued_by=self._gateway_id, issued_at=utcnow())
+        await self._producer.send_and_wait(
+            self._control_topic, value=self._controls.encode(event), key=request_id.encode(),
+            headers=to_headers(traceparent) if traceparent else None,
+        )
+        GATEWAY_CANCELS.inc()

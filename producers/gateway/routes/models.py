@@ -1,0 +1,25 @@
+"""``GET /v1/models``: the served models with their context length."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from producers.gateway.deps import Caller, Context
+from producers.gateway.errors import model_not_found
+
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def list_models(ctx: Context, _key: Caller) -> dict[str, Any]:
+    return {"object": "list", "data": [ctx.prompts.card.as_openai()]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, ctx: Context, _key: Caller) -> dict[str, Any]:
+    card = ctx.prompts.card
+    if model_id != card.served_name:
+        raise model_not_found(model_id)
+    return card.as_openai()

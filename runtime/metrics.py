@@ -1,0 +1,72 @@
+"""Every Prometheus metric of the platform, named once.
+
+Latency histograms use buckets from 1 ms to 60 s: token hops are milliseconds, generations are seconds.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Response
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+
+_FAST = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+_SLOW = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
+
+# --- shared -------------------------------------------------------------------------------------------
+DECODE_ERRORS = Counter("kns_decode_errors_total", "Records that no released schema decodes", ["topic"])
+KAFKA_HOP = Histogram(
+    "kns_kafka_hop_seconds",
+    "Producer wall clock to consumer wall clock, per hop",
+    ["hop"],
+    buckets=_FAST,
+)
+
+# --- gateway ------------------------------------------------------------------------------------------
+GATEWAY_REQUESTS = Counter(
+    "kns_gateway_requests_total", "Chat completion requests by outcome", ["outcome", "stream"]
+)
+GATEWAY_IN_FLIGHT = Gauge("kns_gateway_requests_in_flight", "Chat completions being answered")
+GATEWAY_TTFT = Histogram(
+    "kns_gateway_ttft_seconds", "Request received to first token sent", buckets=_SLOW
+)
+GATEWAY_ITL = Histogram(
+    "kns_gateway_inter_token_seconds", "Gap between token deltas sent to a client", buckets=_FAST
+)
+GATEWAY_E2E = Histogram("kns_gateway_e2e_seconds", "Request received to last byte sent", buckets=_SLOW)
+GATEWAY_TOKENS_OUT = Counter("kns_gateway_tokens_out_total", "Completion tokens delivered to clients")
+GATEWAY_CANCELS = Counter("kns_gateway_cancels_total", "Cancel events produced for departed clients")
+
+# --- relay --------------------------------------------------------------------------------------------
+RELAY_EVENTS = Counter("kns_relay_events_total", "Token events read from the reply partition", ["kind"])
+RELAY_STREAMS = Gauge("kns_relay_streams", "Requests registered with the relay")
+
+# --- worker -------------------------------------------------------------------------------------------
+WORKER_CONSUMED = Counter("kns_worker_requests_consumed_total", "Request records taken off the topic")
+WORKER_SKIPPED = Counter(
+    "kns_worker_requests_skipped_total", "Request records not generated, by reason", ["reason"]
+)
+WORKER_IN_FLIGHT = Gauge("kns_worker_requests_in_flight", "Requests generating in the engine")
+WORKER_FINISHED = Counter(
+    "kns_worker_requests_finished_total", "Requests finished, by finish reason", ["finish_reason"]
+)
+WORKER_ABORTED = Counter(
+    "kns_worker_requests_aborted_total", "Generations aborted in the engine, by cause", ["cause"]
+)
+WORKER_TTFT = Histogram(
+    "kns_worker_ttft_seconds", "Request consumed to first engine output", buckets=_SLOW
+)
+WORKER_TOKENS_OUT = Counter("kns_worker_tokens_out_total", "Completion tokens emitted")
+WORKER_TXN = Histogram(
+    "kns_worker_finalize_txn_seconds", "Duration of one finalizing Kafka transaction", buckets=_FAST
+)
+WORKER_TXN_BATCH = Histogram(
+    "kns_worker_finalize_batch_size", "Requests finalized per transaction", buckets=(1, 2, 4, 8, 16, 32, 64)
+)
+
+
+#: ``GET /metrics`` for any of our HTTP apps (a plain route: a mounted app would redirect to /metrics/)
+metrics_router = APIRouter()
+
+
+@metrics_router.get("/metrics", include_in_schema=False)
+async def metrics() -> Response:
+    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,121 @@
+"""The topic map: the only place topic names exist.
+
+Services refer to topics through these specs (``TOPICS.tokens``), and resolve the physical name with their
+Kafka settings' namespace. The stack manager creates exactly these topics (auto-creation is off on the broker),
+and ``infra/terraform`` consumes the JSON export of this map (a contract test keeps it current).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+from schemas.events import ChatRequest, ControlEvent, Event, TokenEvent, UsageEvent
+
+HOUR_MS = 3_600_000
+DAY_MS = 24 * HOUR_MS
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    name: str
+    event: type[Event]
+    key: str
+    partitions: int
+    retention_ms: int
+    producers: tuple[str, ...]
+    consumers: tuple[str, ...]
+    description: str
+    cleanup_policy: Literal["delete", "compact"] = "delete"
+    extra_config: dict[str, str] = field(default_factory=dict)
+
+    def configs(self) -> dict[str, str]:
+        return {
+            "cleanup.policy": self.cleanup_policy,
+            "retention.ms": str(self.retention_ms),
+            **self.extra_config,
+        }
+
+    def export(self) -> dict[str, object]:
+        data = asdict(self)
+        data["event"] = self.event.__name__
+        data["configs"] = self.configs()
+        data.pop("extra_config")
+        return data
+
+
+@dataclass(frozen=True)
+class TopicMap:
+    requests_submitted: TopicSpec
+    requests_admitted: TopicSpec
+    tokens: TopicSpec
+    control: TopicSpec
+    usage: TopicSpec
+
+    def all(self) -> list[TopicSpec]:
+        return [getattr(self, name) for name in self.__dataclass_fields__]
+
+
+TOPICS = TopicMap(
+    requests_submitted=TopicSpec(
+        name="llm.requests.submitted.v1",
+        event=ChatRequest,
+        key="conversation_id, else request_id",
+        partitions=6,
+        retention_ms=7 * DAY_MS,
+        producers=("gateway",),
+        consumers=("safety pre-filter", "abuse detector"),
+        description="Every accepted chat request, before the safety pre-filter.",
+    ),
+    requests_admitted=TopicSpec(
+        name="llm.requests.admitted.v1",
+        event=ChatRequest,
+        key="conversation_id, else request_id",
+        partitions=6,
+        retention_ms=7 * DAY_MS,
+        producers=("safety pre-filter", "gateway (pre-filter off)"),
+        consumers=("inference workers (group inference-workers)",),
+        description="Requests cleared for generation; the workers' work queue.",
+    ),
+    tokens=TopicSpec(
+        name="llm.tokens.emitted.v1",
+        event=TokenEvent,
+        key="request_id (partition = the requesting gateway's reply partition)",
+        partitions=16,
+        retention_ms=1 * DAY_MS,
+        producers=("inference workers", "safety pre-filter (refusals)"),
+        consumers=("gateway SSE relays (one partition each)", "safety post-filter"),
+        description="Token deltas and each request's final event; one partition per gateway instance.",
+    ),
+    control=TopicSpec(
+        name="llm.control.issued.v1",
+        event=ControlEvent,
+        key="request_id",
+        partitions=3,
+        retention_ms=1 * DAY_MS,
+        producers=("gateway (client disconnect)", "safety post-filter (halt)"),
+        consumers=("every inference worker (all partitions, no group)",),
+        description="Cancel and halt instructions for in-flight requests.",
+    ),
+    usage=TopicSpec(
+        name="llm.usage.recorded.v1",
+        event=UsageEvent,
+        key="request_id",
+        partitions=6,
+        retention_ms=-1,
+        producers=("inference workers (transactional)",),
+        consumers=("billing aggregator", "abuse detector", "reconcile", "usage export"),
+        description="One committed usage record per finished request: the billing source of truth.",
+    ),
+)
+
+
+def export_json() -> str:
+    """The topic map as JSON, the input of ``infra/terraform`` (``python -m schemas.topics``)."""
+    import json
+
+    return json.dumps({"topics": [spec.export() for spec in TOPICS.all()]}, indent=2, sort_keys=True) + "\n"
+
+
+if __name__ == "__main__":
+    print(export_json(), end="")

@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+
+from runtime.settings import Settings
+from schemas.codec import codec_for
+from schemas.events import TokenEvent, UsageEvent
+from schemas.topics import TOPICS
+from tests.helpers import read_topic
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "SmolLM2-135M-Instruct"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+async def token_records(settings: Settings, request_id: str) -> list[tuple[int, TokenEvent]]:
+    """(offset, event) of the request's token events as its reply partition holds them, in log order."""
+    rows = await read_topic(settings.kafka, settings.kafka.topic(TOPICS.tokens.name), codec_for(TokenEvent),
+                            isolation="read_uncommitted")
+    return sorted((off, e) for _, off, e, _ in rows if e.request_id == request_id)  # type: ignore[attr-defined, misc]
+
+
+async def token_events(settings: Settings, request_id: str) -> list[TokenEvent]:
+    """The request's token events, in seq order."""
+    records = await token_records(settings, request_id)
+    return sorted((e for _, e in records), key=lambda e: (e.attempt, e.seq))
+
+
+async def usage_events(settings: Settings, request_id: str) -> list[UsageEvent]:
+    rows = await read_topic(settings.kafka, settings.kafka.topic(TOPICS.usage.name), codec_for(UsageEvent))
+    return [e for _, _, e, _ in rows if e.request_id == request_id]  # type: ignore[misc]
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of one Prometheus sample (0 when absent)."""
+    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        match = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$", line)
+        if not match or match.group(1) != name:
+            continue
+        got = ",".join(sorted((match.group(2) or "{}")[1:-1].split(","))) if match.group(2) else ""
+        if got == wanted:
+            return float(match.group(3))
+    return 0.0
+
+
+def scrape(url: str) -> str:
+    return httpx.get(url, timeout=5).text

@@ -1,0 +1,84 @@
+"""Bad input gets a clear 4xx in OpenAI's error shape, and nothing reaches Kafka."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import orjson
+import pytest
+
+from runtime.settings import Settings
+from schemas.topics import TOPICS
+from tests.conftest import Caller
+from tests.e2e.conftest import MODEL
+from tests.helpers import end_offsets
+
+pytestmark = pytest.mark.e2e
+
+
+def body(**fields: object) -> bytes:
+    return orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields})
+
+
+LONG_PROMPT = "word " * 2100  # ~2100 tokens: more than the 2048-token context
+
+CASES = [
+    # (name, raw body, status, param, code)
+    ("malformed json", b'{"model": "x", "messages": [', 400, None, "invalid_json"),
+    ("not an object", b'"hello"', 400, None, "invalid_json"),
+    ("missing messages", orjson.dumps({"model": MODEL}), 400, "messages", "missing_required_parameter"),
+    ("empty messages", body(messages=[]), 400, "messages", "invalid_value"),
+    ("unknown role", body(messages=[{"role": "robot", "content": "x"}]), 400, "messages.0.role", "invalid_value"),
+    ("non-string content", body(messages=[{"role": "user", "content": {"a": 1}}]), 400, "messages.0.content",
+     "invalid_value"),
+    ("max_tokens zero", body(max_tokens=0), 400, "max_tokens", "invalid_value"),
+    ("max_tokens negative", body(max_tokens=-5), 400, "max_tokens", "invalid_value"),
+    ("max_tokens beyond the context", body(max_tokens=5000), 400, "max_tokens", "context_length_exceeded"),
+    ("prompt longer than the context", body(messages=[{"role": "user", "content": LONG_PROMPT}]), 400, "messages",
+     "context_length_exceeded"),
+    ("unknown model", body(model="gpt-17"), 404, "model", "model_not_found"),
+    ("n > 1", body(n=3), 400, "n", "invalid_value"),
+    ("temperature out of range", body(temperature=-1), 400, "temperature", "invalid_value"),
+    ("oversize body", body(messages=[{"role": "user", "content": "x" * 2_000_000}]), 413, None, "request_too_large"),
+]
+
+
+@pytest.fixture()
+def http(base_url: str, caller: Caller) -> httpx.Client:
+    return httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {caller.secret}"}, timeout=30)
+
+
+def assert_openai_error(response: httpx.Response, status: int, param: str | None, code: str | None) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and error["param"] == param and error["code"] == code
+
+
+async def test_bad_requests_are_rejected_before_kafka(http: httpx.Client, stack: Settings) -> None:
+    topic = stack.kafka.topic(TOPICS.requests_admitted.name)
+    before = await end_offsets(stack.kafka, topic)
+    for name, raw, status, param, code in CASES:
+        response = await asyncio.to_thread(http.post, "/chat/completions", content=raw,
+                                           headers={"content-type": "application/json"})
+        try:
+            assert_openai_error(response, status, param, code)
+        except AssertionError as exc:
+            raise AssertionError(f"case {name!r}: {exc}") from exc
+    assert await end_offsets(stack.kafka, topic) == before, "a rejected request reached the request topic"
+
+
+def test_missing_and_wrong_keys_are_401(base_url: str) -> None:
+    missing = httpx.post(f"{base_url}/chat/completions", content=body())
+    assert_openai_error(missing, 401, None, None)
+    assert "API key" in missing.json()["error"]["message"]
+    wrong = httpx.post(f"{base_url}/chat/completions", content=body(), headers={"Authorization": "Bearer sk-kns-nope"})
+    assert_openai_error(wrong, 401, None, "invalid_api_key")
+    assert httpx.get(f"{base_url}/models").status_code == 401
+
+
+def test_unknown_routes_and_methods_keep_the_shape(http: httpx.Client) -> None:
+    assert_openai_error(http.get("/nothing-here"), 404, None, "not_found")
+    assert_openai_error(http.get("/chat/completions"), 405, None, "method_not_allowed")
+    assert_openai_error(http.get("/models/gpt-17"), 404, "model", "model_not_found")

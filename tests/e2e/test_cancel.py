@@ -1,0 +1,40 @@
+"""A client that hangs up mid-stream stops the generation in the worker (not just on the wire)."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from runtime.settings import Settings
+from tests.conftest import WORKER_ADMIN_PORT
+from tests.e2e.conftest import MODEL, metric, scrape, usage_events
+from tests.helpers import wait_for
+
+pytestmark = pytest.mark.e2e
+WORKER = f"http://127.0.0.1:{WORKER_ADMIN_PORT}"
+
+
+def in_flight() -> list[str]:
+    return [j["request_id"] for j in httpx.get(f"{WORKER}/state", timeout=5).json()["in_flight"]]
+
+
+async def test_closing_a_stream_aborts_the_generation(client: openai.OpenAI, stack: Settings) -> None:
+    aborted_before = metric(scrape(f"{WORKER}/metrics"), "kns_worker_requests_aborted_total", cause="cancel")
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Write a very long story about a dragon."}],
+        max_tokens=1500, stream=True, extra_body={"ignore_eos": True})
+    request_id = ""
+    for i, chunk in enumerate(stream):
+        request_id = chunk.id
+        if i == 4:
+            assert request_id in in_flight()
+            break
+    stream.close()
+
+    assert await wait_for(lambda: request_id not in in_flight(), timeout_s=30)
+    aborted = metric(scrape(f"{WORKER}/metrics"), "kns_worker_requests_aborted_total", cause="cancel")
+    assert aborted == aborted_before + 1
+    (usage,) = await wait_for(lambda: usage_events(stack, request_id), timeout_s=10)
+    assert usage.finish_reason == "cancelled"
+    assert 0 < usage.completion_tokens < 1500  # billed for what was generated, not for max_tokens

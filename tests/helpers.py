@@ -1,0 +1,143 @@
+"""Test helpers: our services as real subprocesses, and readers of what they wrote to Kafka."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from aiokafka import TopicPartition
+
+from runtime.kafka_clients import all_partitions, make_consumer
+from runtime.settings import REPO_ROOT, KafkaSettings
+from schemas.codec import EventCodec
+from schemas.events import Event
+
+LOG_DIR = REPO_ROOT / ".local" / "test-logs"
+
+
+@dataclass
+class ServiceProcess:
+    """``python -m ops.cli <command>`` with its own environment, log file and health URL."""
+
+    name: str
+    command: str
+    env: dict[str, str]
+    health_url: str
+    log_path: Path = field(init=False)
+    proc: subprocess.Popen[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        self.log_path = LOG_DIR / f"{self.name}.log"
+
+    def start(self) -> None:
+        log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ops.cli", self.command], cwd=REPO_ROOT, env=self.env,
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if httpx.get(self.health_url, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} not healthy after {timeout_s} s:\n{self.tail()}")
+
+    def stop(self, timeout_s: float = 30) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        os.killpg(self.proc.pid, 15)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, 9)
+            return self.proc.wait(10)
+
+    def tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return "(no log)"
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+Row = tuple[TopicPartition, int, Event, list[tuple[str, bytes]]]
+
+
+async def read_topic(kafka: KafkaSettings, topic: str, codec: EventCodec[Event], *,
+                     isolation: str = "read_committed") -> list[Row]:
+    """Everything currently in a topic (up to its end offsets), decoded. Under read_committed an open
+    transaction holds the reader back, so it also stops after a few empty polls."""
+    consumer = make_consumer(kafka, role="test-reader", isolation=isolation)  # type: ignore[arg-type]
+    await consumer.start()
+    try:
+        partitions = await all_partitions(consumer, topic)
+        consumer.assign(partitions)
+        await consumer.seek_to_beginning(*partitions)
+        ends = await consumer.end_offsets(partitions)
+        out = []
+        idle = 0
+        while idle < 3:
+            batch = await consumer.getmany(timeout_ms=300)
+            if not batch:
+                positions = [await consumer.position(tp) for tp in partitions]
+                if all(pos >= ends[tp] for pos, tp in zip(positions, partitions, strict=True)):
+                    break
+                idle += 1
+                continue
+            idle = 0
+            for tp, records in batch.items():
+                for r in records:
+                    out.append((tp, r.offset, codec.decode(r.value), list(r.headers or ())))
+        return out
+    finally:
+        await consumer.stop()
+
+
+async def end_offsets(kafka: KafkaSettings, topic: str) -> dict[int, int]:
+    consumer = make_consumer(kafka, role="test-offsets")
+    await consumer.start()
+    try:
+        partitions = await all_partitions(consumer, topic)
+        ends = await consumer.end_offsets(partitions)
+        return {tp.partition: off for tp, off in ends.items()}
+    finally:
+        await consumer.stop()
+
+
+def group_by_request(events: list[Event]) -> dict[str, list[Event]]:
+    grouped: dict[str, list[Event]] = defaultdict(list)
+    for event in events:
+        grouped[event.request_id].append(event)  # type: ignore[attr-defined]
+    return grouped
+
+
+async def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.1):  # type: ignore[no-untyped-def]
+    """Poll an (async or sync) predicate until it returns something truthy; the last value otherwise."""
+    deadline = time.monotonic() + timeout_s
+    value = None
+    while time.monotonic() < deadline:
+        value = predicate()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        await asyncio.sleep(interval_s)
+    return value

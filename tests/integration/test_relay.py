@@ -1,0 +1,71 @@
+"""The relay on a real reply partition: per-request routing, order, duplicates, unknown ids, start at the end."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from producers.relay.demux import Relay
+from runtime.kafka_clients import make_producer
+from runtime.settings import KafkaSettings
+from schemas.codec import codec_for
+from schemas.events import TokenEvent, TokenUsage
+from schemas.topics import TOPICS
+
+pytestmark = pytest.mark.integration
+PARTITION = 15
+
+
+def token(rid: str, seq: int, text: str, final: bool = False) -> TokenEvent:
+    return TokenEvent(request_id=rid, attempt=1, seq=seq, token_offset=seq, token_ids=[seq], text=text,
+                      finish_reason="stop" if final else None,
+                      usage=TokenUsage(prompt_tokens=1, completion_tokens=seq + 1) if final else None,
+                      worker_id="test", emitted_at_us=time.time_ns() // 1000)
+
+
+async def test_relay_routes_each_request_its_own_tokens_in_order(kafka: KafkaSettings) -> None:
+    topic = kafka.topic(TOPICS.tokens.name)
+    codec = codec_for(TokenEvent)
+    producer = make_producer(kafka, role="test")
+    await producer.start()
+    # Written before the relay starts: belongs to a previous gateway life, must not be routed.
+    await producer.send_and_wait(topic, codec.encode(token("old", 0, "stale")), partition=PARTITION)
+    relay = Relay(kafka, topic, PARTITION)
+    await relay.start()
+    try:
+        a, b = relay.register("req-a"), relay.register("req-b")
+        old = relay.register("old")
+        words = {"req-a": ["The", " capital", " of", " France"], "req-b": ["1", "2", "3", "4"]}
+        for i in range(4):  # interleaved, as two generations in one batch would be
+            for rid in ("req-a", "req-b"):
+                await producer.send(topic, codec.encode(token(rid, i, words[rid][i], final=i == 3)),
+                                    key=rid.encode(), partition=PARTITION)
+        await producer.send(topic, codec.encode(token("req-a", 1, " capital")), partition=PARTITION)  # duplicate
+        await producer.send(topic, codec.encode(token("nobody", 0, "x")), partition=PARTITION)
+        await producer.flush()
+
+        async def collect(collector) -> str:  # type: ignore[no-untyped-def]
+            text = ""
+            while True:
+                delta = await collector.get()
+                text += delta.text
+                if delta.finished:
+                    return text
+
+        texts = await asyncio.wait_for(asyncio.gather(collect(a), collect(b)), 10)
+        assert texts == ["The capital of France", "1234"]
+        assert not old._ready.is_set()  # the record from before start() was not routed
+    finally:
+        await relay.stop()
+        await producer.stop()
+
+
+async def test_stopping_the_relay_ends_open_streams(kafka: KafkaSettings) -> None:
+    relay = Relay(kafka, kafka.topic(TOPICS.tokens.name), PARTITION)
+    await relay.start()
+    collector = relay.register("open")
+    await relay.stop()
+    delta = await asyncio.wait_for(collector.get(), 5)
+    assert delta.finish_reason == "error" and "shutting down" in (delta.error or "")

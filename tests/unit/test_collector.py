@@ -1,0 +1,71 @@
+"""The relay's per-request merging slot: never blocks, never drops, restores order, drops duplicates."""
+
+from __future__ import annotations
+
+import asyncio
+
+from producers.relay.collector import StreamCollector
+from schemas.events import TokenEvent, TokenUsage
+
+
+def ev(seq: int, text: str, *, attempt: int = 1, offset: int | None = None, n: int = 1,
+       final: str | None = None) -> TokenEvent:
+    return TokenEvent(
+        request_id="r", attempt=attempt, seq=seq, token_offset=seq if offset is None else offset,
+        token_ids=list(range(n)), text=text, finish_reason=final,
+        usage=TokenUsage(prompt_tokens=3, completion_tokens=seq + n) if final else None,
+        worker_id="w", emitted_at_us=seq,
+    )
+
+
+async def test_deltas_put_while_nobody_reads_are_merged_in_order() -> None:
+    c = StreamCollector("r")
+    for i, word in enumerate(["The", " capital", " is"]):
+        assert c.put(ev(i, word))
+    delta = await c.get()
+    assert (delta.text, delta.token_count, delta.finished) == ("The capital is", 3, False)
+    c.put(ev(3, " Paris", final="stop"))
+    last = await c.get()
+    assert (last.text, last.finish_reason, last.usage.completion_tokens) == (" Paris", "stop", 4)
+
+
+async def test_duplicate_and_stale_events_are_dropped() -> None:
+    c = StreamCollector("r")
+    c.put(ev(0, "a"))
+    c.put(ev(1, "b"))
+    assert not c.put(ev(1, "b"))  # redelivered
+    assert not c.put(ev(0, "a"))
+    assert (await c.get()).text == "ab"
+    assert c.duplicates == 2
+
+
+async def test_a_new_attempt_only_adds_tokens_the_client_has_not_seen() -> None:
+    c = StreamCollector("r")
+    c.put(ev(0, "one", offset=0))
+    c.put(ev(1, " two", offset=1))
+    assert (await c.get()).text == "one two"
+    # failover: attempt 2 starts over at seq 0 / token 0
+    c.put(ev(0, "one", attempt=2, offset=0))
+    c.put(ev(1, " two", attempt=2, offset=1))
+    c.put(ev(2, " three", attempt=2, offset=2, final="stop"))
+    assert not c.put(ev(5, "late", attempt=1, offset=5))  # the old attempt is stale now
+    delta = await c.get()
+    assert (delta.text, delta.token_count, delta.finish_reason) == (" three", 1, "stop")
+
+
+async def test_get_waits_for_news() -> None:
+    c = StreamCollector("r")
+    waiter = asyncio.create_task(c.get())
+    await asyncio.sleep(0.01)
+    assert not waiter.done()
+    c.put(ev(0, "x"))
+    assert (await asyncio.wait_for(waiter, 1)).text == "x"
+
+
+async def test_fail_ends_the_stream_with_an_error_once() -> None:
+    c = StreamCollector("r")
+    c.put(ev(0, "partial"))
+    c.fail("relay stopped")
+    delta = await c.get()
+    assert (delta.text, delta.finish_reason, delta.error) == ("partial", "error", "relay stopped")
+    assert not c.put(ev(1, "more"))

@@ -1,0 +1,39 @@
+"""One settings object: nested environment variables, device-dependent engine defaults, namespaces."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.settings import EngineSettings, KafkaSettings, load_settings
+
+
+def test_nested_environment_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KNS_KAFKA__BOOTSTRAP_SERVERS", "broker:9092")
+    monkeypatch.setenv("KNS_GATEWAY__PORT", "9001")
+    monkeypatch.delenv("KNS_GATEWAY__INSTANCE_ID", raising=False)
+    s = load_settings()
+    assert s.kafka.bootstrap_servers == "broker:9092"
+    assert s.gateway.port == 9001
+    assert s.gateway.instance_id.endswith(":9001")
+
+
+def test_cpu_engine_defaults_are_sized() -> None:
+    eff = EngineSettings(device="cpu").effective()
+    assert eff.dtype == "float32"  # bf16 answers garbage on the CPU build
+    assert eff.kv_cache_memory_bytes and eff.kv_cache_memory_bytes <= 1 << 30
+    assert eff.max_num_seqs == 16 and eff.enforce_eager is True
+
+
+def test_gpu_engine_defaults() -> None:
+    eff = EngineSettings(device="cuda").effective()
+    assert (eff.dtype, eff.kv_cache_memory_bytes, eff.enforce_eager) == ("bfloat16", None, False)
+
+
+def test_explicit_engine_values_win() -> None:
+    eff = EngineSettings(device="cpu", dtype="bfloat16", max_num_seqs=4, enforce_eager=False).effective()
+    assert (eff.dtype, eff.max_num_seqs, eff.enforce_eager) == ("bfloat16", 4, False)
+
+
+def test_namespace_prefixes_topics_and_groups() -> None:
+    assert KafkaSettings(namespace="t1").topic("llm.tokens.emitted.v1") == "t1.llm.tokens.emitted.v1"
+    assert KafkaSettings().group("inference-workers") == "inference-workers"

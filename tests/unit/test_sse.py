@@ -1,0 +1,38 @@
+"""Our chunks and completions parse as the official SDK's types."""
+
+from __future__ import annotations
+
+import orjson
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from producers.gateway.protocol import usage_dict
+from producers.relay.sse import DONE, ChunkFormatter, completion
+
+
+def parse(event: bytes) -> dict:  # type: ignore[type-arg]
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+    return orjson.loads(event[6:-2])
+
+
+def test_stream_chunks_are_valid_chat_completion_chunks() -> None:
+    fmt = ChunkFormatter("chatcmpl-x", "m", 1700000000, include_usage=True)
+    role = ChatCompletionChunk.model_validate(parse(fmt.role()))
+    assert role.choices[0].delta.role == "assistant"
+    content = ChatCompletionChunk.model_validate(parse(fmt.content(" Paris")))
+    assert content.choices[0].delta.content == " Paris" and content.usage is None
+    finish = ChatCompletionChunk.model_validate(parse(fmt.finish("length")))
+    assert finish.choices[0].finish_reason == "length"
+    usage = ChatCompletionChunk.model_validate(parse(fmt.usage(usage_dict(3, 2, 1))))
+    assert usage.choices == [] and usage.usage.total_tokens == 5
+    assert usage.usage.prompt_tokens_details.cached_tokens == 1
+    assert DONE == b"data: [DONE]\n\n"
+
+
+def test_chunks_omit_usage_unless_asked() -> None:
+    assert "usage" not in parse(ChunkFormatter("i", "m", 1, include_usage=False).content("x"))
+
+
+def test_completion_is_a_valid_chat_completion() -> None:
+    body = completion("chatcmpl-x", "m", 1700000000, "Paris.", "stop", usage_dict(37, 3, 0))
+    parsed = ChatCompletion.model_validate(body)
+    assert parsed.choices[0].message.content == "Paris." and parsed.usage.completion_tokens == 3
