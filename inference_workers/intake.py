@@ -95,6 +95,8 @@ class Intake:
         self._max = max_in_flight
         self.jobs: dict[str, Job] = {}
         self._controls = RecentControls()
+        #: set whenever a job ends: wakes the paused consumer loop
+        self.room_freed = asyncio.Event()
         self.fatal: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     # --- admission ------------------------------------------------------------------------------------
@@ -179,6 +181,7 @@ class Intake:
             finally:
                 self.jobs.pop(job.request.request_id, None)
                 WORKER_IN_FLIGHT.set(len(self.jobs))
+                self.room_freed.set()
 
     async def _generate(self, job: Job) -> None:
         request = job.request

@@ -103,7 +103,7 @@ class Worker:
             consumer_stop = asyncio.Event()
             self._consumer_task = asyncio.create_task(
                 consume(consumer, codec_for(ChatRequest), intake.handle, stop=consumer_stop,
-                        capacity=intake.capacity),
+                        capacity=intake.capacity, room_freed=intake.room_freed),
                 name="request-consumer",
             )
             log.info("worker ready", extra={"group": group, "max_in_flight": self.engine.max_num_seqs})

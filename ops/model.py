@@ -39,6 +39,9 @@ def prepare_model(target: Path) -> Path:
         return target
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     source = gguf_folder()
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=GGUF_FILE)

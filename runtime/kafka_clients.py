@@ -137,14 +137,16 @@ async def consume(
     *,
     stop: asyncio.Event,
     capacity: Callable[[], int] | None = None,
+    room_freed: asyncio.Event | None = None,
     on_batch_end: Callable[[], Awaitable[None]] | None = None,
     poll_timeout_ms: int = 100,
 ) -> None:
     """Poll ``consumer`` until ``stop`` is set; decode each record and await ``handle(event, record)``.
 
     ``capacity()`` (optional) says how many more records the caller can take now; at 0 every assigned
-    partition is paused, but polling goes on so that the group membership stays alive.
-    Records that do not decode are counted and skipped: one bad record never stops a service.
+    partition is paused and the loop sleeps until ``room_freed`` is set (or a second passes: polling goes on
+    so that the group membership stays alive). Records that do not decode are counted and skipped: one bad
+    record never stops a service.
     """
     paused = False
     while not stop.is_set():
@@ -154,7 +156,12 @@ async def consume(
             if not paused:
                 consumer.pause(*consumer.assignment())
                 paused = True
-            await asyncio.sleep(0.005)
+            if room_freed is not None:
+                room_freed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(room_freed.wait(), 1.0)
+            else:
+                await asyncio.sleep(0.01)
             # Keep the poll loop alive (max.poll.interval) while paused; nothing is returned.
             await consumer.getmany(timeout_ms=0)
             continue

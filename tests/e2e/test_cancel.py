@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from runtime.settings import Settings
-from tests.conftest import WORKER_ADMIN_PORT
+from tests.conftest import WORKER_ADMIN_PORT, Caller
 from tests.e2e.conftest import MODEL, metric, scrape, usage_events
 from tests.helpers import wait_for
 
@@ -38,3 +38,16 @@ async def test_closing_a_stream_aborts_the_generation(client: openai.OpenAI, sta
     (usage,) = await wait_for(lambda: usage_events(stack, request_id), timeout_s=10)
     assert usage.finish_reason == "cancelled"
     assert 0 < usage.completion_tokens < 1500  # billed for what was generated, not for max_tokens
+
+
+async def test_a_non_streaming_client_that_hangs_up_cancels_too(base_url: str, caller: Caller) -> None:
+    aborted_before = metric(scrape(f"{WORKER}/metrics"), "kns_worker_requests_aborted_total", cause="cancel")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a very long story."}], "max_tokens": 1500,
+            "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=3.0) as http:  # gives up long before 1500 tokens
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post(f"{base_url}/chat/completions", json=body,
+                            headers={"Authorization": f"Bearer {caller.secret}"})
+    assert await wait_for(lambda: metric(scrape(f"{WORKER}/metrics"), "kns_worker_requests_aborted_total",
+                                         cause="cancel") == aborted_before + 1, timeout_s=30)
+    assert await wait_for(lambda: in_flight() == [], timeout_s=30)

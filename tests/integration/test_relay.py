@@ -69,3 +69,36 @@ async def test_stopping_the_relay_ends_open_streams(kafka: KafkaSettings) -> Non
     await relay.stop()
     delta = await asyncio.wait_for(collector.get(), 5)
     assert delta.finish_reason == "error" and "shutting down" in (delta.error or "")
+
+
+async def test_a_client_that_never_reads_does_not_hold_back_the_others(kafka: KafkaSettings) -> None:
+    topic = kafka.topic(TOPICS.tokens.name)
+    codec = codec_for(TokenEvent)
+    relay = Relay(kafka, topic, PARTITION)
+    await relay.start()
+    producer = make_producer(kafka, role="test")
+    await producer.start()
+    try:
+        slow, fast = relay.register("slow-reader"), relay.register("fast-reader")
+        n = 2000
+        for i in range(n):
+            slow_event = token("slow-reader", i, "s", final=i == n - 1)
+            await producer.send(topic, codec.encode(slow_event), partition=PARTITION)
+            if i % 100 == 0:
+                await producer.send(topic, codec.encode(token("fast-reader", i // 100, "f", final=i == n - 100)),
+                                    partition=PARTITION)
+        await producer.flush()
+        text = ""
+        while True:  # the fast reader gets everything while nobody reads the slow stream
+            delta = await asyncio.wait_for(fast.get(), 10)
+            text += delta.text
+            if delta.finished:
+                break
+        assert text == "f" * 20
+        # ... and nothing of the slow stream was dropped: it is all merged in its slot.
+        await asyncio.sleep(0.5)
+        backlog = await asyncio.wait_for(slow.get(), 5)
+        assert (backlog.text, backlog.token_count, backlog.finish_reason) == ("s" * n, n, "stop")
+    finally:
+        await producer.stop()
+        await relay.stop()
