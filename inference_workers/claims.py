@@ -17,11 +17,11 @@ from redis.asyncio import Redis
 from runtime.redis_client import key
 from runtime.settings import RedisSettings
 
-# KEYS[1]: claim hash. ARGV: source, ttl_s, worker
+# KEYS[1]: claim hash. ARGV: source, ttl_s, worker, org, key
 _CLAIM = """
 local src = redis.call('HGET', KEYS[1], 'src')
 if not src then
-  redis.call('HSET', KEYS[1], 'src', ARGV[1], 'attempt', 1, 'worker', ARGV[3])
+  redis.call('HSET', KEYS[1], 'src', ARGV[1], 'attempt', 1, 'worker', ARGV[3], 'org', ARGV[4], 'key', ARGV[5])
   redis.call('EXPIRE', KEYS[1], ARGV[2])
   return {'start', 1}
 end
@@ -56,8 +56,11 @@ class RequestClaims:
     def _key(self, request_id: str) -> str:
         return key(self._settings, "request", request_id)
 
-    async def claim(self, request_id: str, source: str) -> Claim:
-        verdict, attempt = await self._claim(keys=[self._key(request_id)], args=[source, self._ttl, self._worker])
+    async def claim(self, request_id: str, source: str, *, org_id: str = "", key_id: str = "") -> Claim:
+        """Claim a request for generation. The claim also records whose request it is (org, key): the safety
+        post-filter reads that to attribute a halt."""
+        verdict, attempt = await self._claim(keys=[self._key(request_id)],
+                                             args=[source, self._ttl, self._worker, org_id, key_id])
         return Claim(ClaimVerdict(verdict), int(attempt))
 
     async def mark_done(self, request_ids: list[str]) -> None:

@@ -116,7 +116,8 @@ class Intake:
                 # Another record of a request generating here now: a duplicate (a fetched-again record of a
                 # running request cannot occur: a rebalance aborts running requests first).
                 return self._skip(tp, record.offset, "duplicate")
-            claim = await self._claims.claim(request.request_id, f"{record.topic}:{record.partition}:{record.offset}")
+            claim = await self._claims.claim(request.request_id, f"{record.topic}:{record.partition}:{record.offset}",
+                                             org_id=request.org_id, key_id=request.key_id)
             if claim.verdict is not ClaimVerdict.START:
                 return self._skip(tp, record.offset, claim.verdict.value)
             job = Job(request, tp, record.offset, claim.attempt, child_of(from_headers(record.headers)),

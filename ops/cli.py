@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import typer
 
+from billing.cli import app as billing_app
 from ops.chat_cli import chat
 from ops.keys_cli import app as keys_app
 from ops.stack.cli import app as stack_app
 from ops.topics_cli import tokens, topics
+from stream_processors.safety.evaluate import app as safety_app
 
 app = typer.Typer(help="Kafka-native LLM serving.", no_args_is_help=True, pretty_exceptions_show_locals=False)
 app.add_typer(stack_app, name="stack")
 app.add_typer(keys_app, name="keys")
+app.add_typer(safety_app, name="safety")
+app.add_typer(billing_app, name="billing")
 app.command()(chat)
 app.command()(topics)
 app.command()(tokens)
@@ -31,6 +35,16 @@ def worker() -> None:
     from inference_workers.main import run
 
     run()
+
+
+@app.command()
+def processor(name: str = typer.Argument(..., help="safety, billing or abuse")) -> None:
+    """Run one Faust stream processor in the foreground."""
+    from stream_processors.runner import PROCESSORS, run
+
+    if name not in PROCESSORS:
+        raise typer.BadParameter(f"unknown processor {name!r}; one of {', '.join(PROCESSORS)}")
+    run(name)
 
 
 @app.command("model")

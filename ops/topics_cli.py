@@ -48,7 +48,8 @@ def topics() -> None:
         table.add_column(column)
     for spec in TOPICS.all():
         retention = "forever" if spec.retention_ms < 0 else f"{spec.retention_ms / 3_600_000:g} h"
-        table.add_row(kafka.topic(spec.name), spec.event.__name__, spec.key, str(spec.partitions), retention,
+        event = spec.event.__name__ if spec.event else "raw"
+        table.add_row(kafka.topic(spec.name), event, spec.key, str(spec.partitions), retention,
                       str(counts.get(spec.name, "?")), f"{', '.join(spec.producers)} → {', '.join(spec.consumers)}")
     console.print(table)
 

@@ -20,6 +20,10 @@ KAFKA_HOP = Histogram(
     buckets=_FAST,
 )
 
+DEAD_LETTERED = Counter(
+    "kns_dead_lettered_total", "Records a stream processor sent to the dead-letter topic", ["processor", "topic"]
+)
+
 # --- gateway ------------------------------------------------------------------------------------------
 GATEWAY_REQUESTS = Counter(
     "kns_gateway_requests_total", "Chat completion requests by outcome", ["outcome", "stream"]
@@ -62,6 +66,26 @@ WORKER_TXN_BATCH = Histogram(
     "kns_worker_finalize_batch_size", "Requests finalized per transaction", buckets=(1, 2, 4, 8, 16, 32, 64)
 )
 
+
+# --- stream processors -----------------------------------------------------------------------------------
+SAFETY_VERDICTS = Counter(
+    "kns_safety_verdicts_total", "Safety decisions", ["stage", "blocked", "category"]
+)
+SAFETY_CLASSIFY = Histogram(
+    "kns_safety_classify_seconds", "Time to classify one batch of texts", ["stage"], buckets=_FAST
+)
+SAFETY_STALE = Counter(
+    "kns_safety_stale_total", "Records too old to act on (their client is gone), skipped", ["stage"]
+)
+SAFETY_PREFILTER_DELAY = Histogram(
+    "kns_safety_prefilter_delay_seconds", "Request submitted (gateway) to forwarded or refused (pre-filter)",
+    buckets=_FAST,
+)
+BILLING_RECORDED = Counter(
+    "kns_billing_usage_total", "Usage events billed, by whether they created the ledger row", ["created"]
+)
+BILLING_HOURS_RECOMPUTED = Counter("kns_billing_hours_recomputed_total", "Hourly aggregates recomputed")
+ABUSE_ALERTS = Counter("kns_abuse_alerts_total", "Abuse alerts raised", ["rule", "action"])
 
 #: ``GET /metrics`` for any of our HTTP apps (a plain route: a mounted app would redirect to /metrics/)
 metrics_router = APIRouter()

@@ -156,6 +156,70 @@ class WorkerSettings(BaseModel):
         return self
 
 
+class ProcessorSettings(BaseModel):
+    """The Faust stream processors (one process each: safety, billing, abuse)."""
+
+    host: str = "127.0.0.1"
+    safety_port: int = 8201
+    billing_port: int = 8202
+    abuse_port: int = 8203
+    # How long a dead member keeps its partitions; with static membership a restarted one takes them back at once.
+    session_timeout_s: float = 10.0
+    heartbeat_interval_s: float = 1.0
+    commit_interval_s: float = 1.0
+    billing_flush_interval_s: float = 2.0
+    price_reload_s: float = 60.0
+
+    def port(self, name: str) -> int:
+        return int(getattr(self, f"{name}_port"))
+
+
+class SafetySettings(BaseModel):
+    classifier: str = "combined"
+    #: the gateway sends requests through the safety pre-filter (the submitted topic) when true
+    prefilter: bool = True
+    #: the post-filter classifies a request's output every this many tokens ...
+    post_stride_tokens: int = 8
+    #: ... looking at this much of its latest text
+    post_window_chars: int = 320
+    # Chosen by leave-one-out on the exemplar set (max F1 with precision >= 0.85), never on the eval set.
+    #: a request older than this when the pre-filter sees it has no client waiting any more (the gateway's idle
+    #: timeout): it is dropped, not generated for nobody; token events older than post_max_age_s are not checked
+    max_request_age_s: float = 120.0
+    post_max_age_s: float = 60.0
+    embedding_threshold: float = 0.35
+    embedding_margin: float = 0.08
+    embedding_neighbours: int = 1
+
+
+class TierLimit(BaseModel):
+    requests_per_minute: int
+    tokens_per_minute: int
+
+
+class AbuseSettings(BaseModel):
+    tiers: dict[str, TierLimit] = {
+        "free": TierLimit(requests_per_minute=30, tokens_per_minute=20_000),
+        "pro": TierLimit(requests_per_minute=600, tokens_per_minute=500_000),
+        "enterprise": TierLimit(requests_per_minute=6_000, tokens_per_minute=5_000_000),
+    }
+    burst_window_s: float = 10.0
+    #: a key is flagged at this multiple of its tier's rate (per window), suspended at ``suspend_factor`` of it
+    burst_factor: float = 3.0
+    suspend_factor: float = 2.0
+    violations_window_s: float = 600.0
+    violations_flag: int = 3
+    violations_suspend: int = 6
+    velocity_window_s: float = 60.0
+    velocity_factor: float = 3.0
+    addresses_window_s: float = 300.0
+    addresses_flag: int = 5
+    addresses_suspend: int = 20
+
+    def limit(self, tier: str) -> TierLimit:
+        return self.tiers.get(tier, self.tiers["free"])
+
+
 class StackSettings(BaseModel):
     """Where the local stack keeps its state. Client-facing ports come from the client sections (the stack
     listens where the clients connect); only the ports no client uses are set here."""
@@ -205,15 +269,6 @@ class ObservabilitySettings(BaseModel):
     json_logs: bool = True
 
 
-class TopicSettings(BaseModel):
-    """Partition counts: the shape of the topics is in ``schemas.topics``; only sizes are tunable."""
-
-    request_partitions: int = 6
-    token_partitions: int = 16
-    control_partitions: int = 3
-    usage_partitions: int = 6
-
-
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="KNS_", env_nested_delimiter="__", extra="ignore", frozen=False
@@ -228,7 +283,9 @@ class Settings(BaseSettings):
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
     stack: StackSettings = Field(default_factory=StackSettings)
     observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
-    topics: TopicSettings = Field(default_factory=TopicSettings)
+    processors: ProcessorSettings = Field(default_factory=ProcessorSettings)
+    safety: SafetySettings = Field(default_factory=SafetySettings)
+    abuse: AbuseSettings = Field(default_factory=AbuseSettings)
 
 
 def load_settings(**overrides: object) -> Settings:

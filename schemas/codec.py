@@ -19,7 +19,7 @@ from fastavro import parse_schema, schemaless_reader, schemaless_writer
 from fastavro.schema import fingerprint, to_parsing_canonical_form
 
 from schemas.errors import DecodeError
-from schemas.events import ChatRequest, ControlEvent, Event, TokenEvent, UsageEvent
+from schemas.events import AbuseAlert, ChatRequest, ControlEvent, Event, SafetyVerdict, TokenEvent, UsageEvent
 
 AVRO_DIR = Path(__file__).parent / "avro"
 MAGIC = b"\xc3\x01"
@@ -31,6 +31,8 @@ SCHEMA_DIRS: dict[type[Event], str] = {
     TokenEvent: "token_event",
     ControlEvent: "control_event",
     UsageEvent: "usage_event",
+    SafetyVerdict: "safety_verdict",
+    AbuseAlert: "abuse_alert",
 }
 
 E = TypeVar("E", bound=Event)

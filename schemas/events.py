@@ -127,5 +127,44 @@ class UsageEvent(Event):
     conversation_id: str | None = None
 
 
+class SafetyStage(enum.StrEnum):
+    PRE = "PRE"
+    POST = "POST"
+    UNKNOWN = "UNKNOWN"
+
+
+class SafetyVerdict(Event):
+    request_id: str
+    stage: SafetyStage
+    blocked: bool
+    category: str
+    score: float
+    classifier: str
+    org_id: str | None = None
+    key_id: str | None = None
+    at_token: int = 0
+    decided_at: datetime
+
+
+class AbuseAction(enum.StrEnum):
+    FLAG = "FLAG"
+    SUSPEND = "SUSPEND"
+    UNKNOWN = "UNKNOWN"
+
+
+class AbuseAlert(Event):
+    alert_id: str
+    key_id: str
+    org_id: str
+    tier: str
+    rule: str
+    observed: float
+    threshold: float
+    window_start: datetime
+    window_s: float
+    action: AbuseAction
+    raised_at: datetime
+
+
 def utcnow() -> datetime:
     return datetime.now(UTC)

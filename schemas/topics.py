@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from schemas.events import ChatRequest, ControlEvent, Event, TokenEvent, UsageEvent
+from schemas.events import AbuseAlert, ChatRequest, ControlEvent, Event, SafetyVerdict, TokenEvent, UsageEvent
 
 HOUR_MS = 3_600_000
 DAY_MS = 24 * HOUR_MS
@@ -19,14 +19,14 @@ DAY_MS = 24 * HOUR_MS
 @dataclass(frozen=True)
 class TopicSpec:
     name: str
-    event: type[Event]
+    event: type[Event] | None  # None: raw bytes (the dead-letter topic keeps records as they came)
     key: str
     partitions: int
     retention_ms: int
     producers: tuple[str, ...]
     consumers: tuple[str, ...]
     description: str
-    cleanup_policy: Literal["delete", "compact"] = "delete"
+    cleanup_policy: Literal["delete", "compact", "compact,delete"] = "delete"
     extra_config: dict[str, str] = field(default_factory=dict)
 
     def configs(self) -> dict[str, str]:
@@ -38,7 +38,7 @@ class TopicSpec:
 
     def export(self) -> dict[str, object]:
         data = asdict(self)
-        data["event"] = self.event.__name__
+        data["event"] = self.event.__name__ if self.event else "raw"
         data["configs"] = self.configs()
         data.pop("extra_config")
         return data
@@ -51,6 +51,9 @@ class TopicMap:
     tokens: TopicSpec
     control: TopicSpec
     usage: TopicSpec
+    verdicts: TopicSpec
+    alerts: TopicSpec
+    dead_letter: TopicSpec
 
     def all(self) -> list[TopicSpec]:
         return [getattr(self, name) for name in self.__dataclass_fields__]
@@ -106,6 +109,37 @@ TOPICS = TopicMap(
         producers=("inference workers (transactional)",),
         consumers=("billing aggregator", "abuse detector", "reconcile", "usage export"),
         description="One committed usage record per finished request: the billing source of truth.",
+    ),
+    verdicts=TopicSpec(
+        name="llm.safety.verdicts.v1",
+        event=SafetyVerdict,
+        key="request_id",
+        partitions=3,
+        retention_ms=30 * DAY_MS,
+        producers=("safety pre-filter (every request)", "safety post-filter (blocks)"),
+        consumers=("abuse detector", "analysts"),
+        description="Safety decisions: every pre-filter verdict, and the post-filter's halts.",
+    ),
+    alerts=TopicSpec(
+        name="llm.abuse.alerts.v1",
+        event=AbuseAlert,
+        key="alert_id (deterministic: rule, key, window)",
+        partitions=3,
+        retention_ms=90 * DAY_MS,
+        producers=("abuse detector",),
+        consumers=("operators", "analysts"),
+        description="Keys flagged or suspended by the abuse detector; compaction keeps one record per alert id.",
+        cleanup_policy="compact,delete",
+    ),
+    dead_letter=TopicSpec(
+        name="llm.deadletter.v1",
+        event=None,
+        key="the original record's key",
+        partitions=3,
+        retention_ms=30 * DAY_MS,
+        producers=("stream processors",),
+        consumers=("operators",),
+        description="Records a processor could not decode, as they came; headers: reason, source partition/offset.",
     ),
 )
 

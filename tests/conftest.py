@@ -11,12 +11,13 @@ import asyncio
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
 import pytest_asyncio
 
-from ops.stack.provision import apply_schema
+from ops.stack.provision import apply_schema, seed_prices
 from producers.gateway.keys import ApiKey, ApiKeyRegistry
 from runtime.cassandra_client import connect
 from runtime.kafka_clients import ensure_topics, make_admin
@@ -27,6 +28,7 @@ from tests.helpers import ServiceProcess
 SESSION = uuid.uuid4().hex[:8]
 GATEWAY_PORT = 18000
 WORKER_ADMIN_PORT = 18100
+PROCESSOR_PORTS = {"safety": 18201, "billing": 18202, "abuse": 18203}
 
 # Set before anything builds settings: this process and every service it starts share them.
 TEST_ENV = {
@@ -40,6 +42,7 @@ TEST_ENV = {
     "KNS_WORKER__DRAIN_TIMEOUT_S": "2",
     "KNS_ENGINE__MAX_NUM_SEQS": "16",
     "KNS_GATEWAY__STREAM_IDLE_TIMEOUT_S": "90",
+    **{f"KNS_PROCESSORS__{name.upper()}_PORT": str(port) for name, port in PROCESSOR_PORTS.items()},
 }
 os.environ.update(TEST_ENV)
 
@@ -74,12 +77,21 @@ def _fail_without_stack(settings: Settings) -> None:
                     "--infra-only`); the suite needs the real services", pytrace=False)
 
 
+async def _seed_prices(settings: Settings) -> None:
+    cluster, session = await asyncio.to_thread(connect, settings.cassandra)
+    try:
+        await seed_prices(session, settings.cassandra.keyspace)
+    finally:
+        await asyncio.to_thread(cluster.shutdown)
+
+
 @pytest.fixture(scope="session")
 def stack(settings: Settings) -> Iterator[Settings]:
     """Kafka, Cassandra and Redis are up; this session's topics and the test keyspace exist."""
     _fail_without_stack(settings)
     asyncio.run(ensure_topics(settings.kafka, TOPICS.all()))
     apply_schema(settings.cassandra)
+    asyncio.run(_seed_prices(settings))
     yield settings
 
     async def drop_topics() -> None:
@@ -103,7 +115,9 @@ def make_caller(stack: Settings):  # type: ignore[no-untyped-def]
             registry = await ApiKeyRegistry.open(session, stack.cassandra.keyspace)
             return await registry.create(org_id=org, tier=tier, name="test")
 
-        secret, key = asyncio.run(go())
+        # Sync and async tests both call this: run the coroutine on a thread with its own event loop.
+        with ThreadPoolExecutor(1) as pool:
+            secret, key = pool.submit(asyncio.run, go()).result()
         return Caller(secret, key)
 
     yield create
@@ -113,6 +127,26 @@ def make_caller(stack: Settings):  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="session")
 def caller(make_caller) -> Caller:  # type: ignore[no-untyped-def]
     return make_caller()
+
+
+def processor(name: str, env: dict[str, str]) -> ServiceProcess:
+    return ServiceProcess(f"processor-{name}", "processor", env,
+                          f"http://127.0.0.1:{PROCESSOR_PORTS[name]}/health", args=[name])
+
+
+@pytest.fixture(scope="session")
+def processors(stack: Settings, service_env: dict[str, str]) -> Iterator[dict[str, ServiceProcess]]:
+    """The three Faust processors (safety, billing, abuse), healthy before any gateway produces."""
+    procs = {name: processor(name, service_env) for name in PROCESSOR_PORTS}
+    for proc in procs.values():
+        proc.start()
+    try:
+        for proc in procs.values():
+            proc.wait_healthy(180)
+        yield procs
+    finally:
+        for proc in procs.values():
+            proc.stop()
 
 
 @pytest.fixture(scope="session")
@@ -127,7 +161,8 @@ def worker(stack: Settings, service_env: dict[str, str]) -> Iterator[ServiceProc
 
 
 @pytest.fixture(scope="session")
-def gateway(stack: Settings, worker: ServiceProcess, service_env: dict[str, str]) -> Iterator[ServiceProcess]:
+def gateway(stack: Settings, worker: ServiceProcess, processors: dict[str, ServiceProcess],
+            service_env: dict[str, str]) -> Iterator[ServiceProcess]:
     proc = ServiceProcess("gateway-a", "gateway", service_env, f"http://127.0.0.1:{GATEWAY_PORT}/health")
     proc.start()
     try:

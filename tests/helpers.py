@@ -17,6 +17,7 @@ from aiokafka import TopicPartition
 from runtime.kafka_clients import all_partitions, make_consumer
 from runtime.settings import REPO_ROOT, KafkaSettings
 from schemas.codec import EventCodec
+from schemas.errors import DecodeError
 from schemas.events import Event
 
 LOG_DIR = REPO_ROOT / ".local" / "test-logs"
@@ -30,17 +31,19 @@ class ServiceProcess:
     command: str
     env: dict[str, str]
     health_url: str
+    args: list[str] = field(default_factory=list)
     log_path: Path = field(init=False)
     proc: subprocess.Popen[bytes] | None = None
 
     def __post_init__(self) -> None:
         LOG_DIR.mkdir(parents=True, exist_ok=True)
         self.log_path = LOG_DIR / f"{self.name}.log"
+        self.log_path.unlink(missing_ok=True)  # this session's log only; restarts append to it
 
     def start(self) -> None:
-        log = self.log_path.open("wb")
+        log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ops.cli", self.command], cwd=REPO_ROOT, env=self.env,
+            [sys.executable, "-m", "ops.cli", self.command, *self.args], cwd=REPO_ROOT, env=self.env,
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
 
@@ -57,6 +60,12 @@ class ServiceProcess:
                 pass
             time.sleep(0.5)
         raise RuntimeError(f"{self.name} not healthy after {timeout_s} s:\n{self.tail()}")
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group: no clean-up, no commit, as a crash."""
+        assert self.proc is not None
+        os.killpg(self.proc.pid, 9)
+        self.proc.wait(10)
 
     def stop(self, timeout_s: float = 30) -> int | None:
         if self.proc is None or self.proc.poll() is not None:
@@ -105,7 +114,11 @@ async def read_topic(kafka: KafkaSettings, topic: str, codec: EventCodec[Event],
             idle = 0
             for tp, records in batch.items():
                 for r in records:
-                    out.append((tp, r.offset, codec.decode(r.value), list(r.headers or ())))
+                    try:
+                        event = codec.decode(r.value)
+                    except DecodeError:  # the dead-letter tests put garbage in topics on purpose
+                        continue
+                    out.append((tp, r.offset, event, list(r.headers or ())))
         return out
     finally:
         await consumer.stop()

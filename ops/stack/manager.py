@@ -141,9 +141,10 @@ class StackManager:
         started, running = await self._bring_up(infra)
         self.report("creating topics, keyspace and the dev API key")
         topics, secret, new = await provision(self.settings)
-        apps = [s for s in services if not s.infra]
-        if apps:
-            self.report("starting " + ", ".join(s.name for s in apps) + " (the engine takes ~30 s on a CPU)")
+        for wave in sorted({getattr(s, "wave", 0) for s in services if not s.infra}):
+            apps = [s for s in services if not s.infra and getattr(s, "wave", 0) == wave]
+            self.report("starting " + ", ".join(s.name for s in apps)
+                        + (" (the engine takes ~30 s on a CPU)" if any(s.name == "worker" for s in apps) else ""))
             app_started, app_running = await self._bring_up(apps)
             started += app_started
             running += app_running

@@ -12,6 +12,7 @@ from string import Template
 
 from cassandra.cluster import Session
 
+from billing.prices import PriceStore, load_seed
 from ops.stack.services import INFRA
 from producers.gateway.keys import ApiKeyRegistry, hash_key
 from runtime.cassandra_client import connect, execute
@@ -39,6 +40,11 @@ def apply_schema(cassandra: CassandraSettings) -> None:
             session.execute(statement, timeout=60)
     finally:
         cluster.shutdown()
+
+
+async def seed_prices(session: Session, keyspace: str) -> None:
+    store = await asyncio.to_thread(PriceStore, session, keyspace)
+    await store.seed(load_seed())
 
 
 async def ensure_dev_key(session: Session, settings: Settings) -> tuple[str, bool]:
@@ -78,11 +84,12 @@ def _write_key(path: Path, secret: str) -> None:
 
 
 async def provision(settings: Settings) -> tuple[list[str], str, bool]:
-    """Topics, schema and dev key. Returns (topics created, dev key, whether the key is new)."""
+    """Topics, schema, price seed and dev key. Returns (topics created, dev key, whether the key is new)."""
     created = await ensure_topics(settings.kafka, TOPICS.all())
     await asyncio.to_thread(apply_schema, settings.cassandra)
     cluster, session = await asyncio.to_thread(connect, settings.cassandra)
     try:
+        await seed_prices(session, settings.cassandra.keyspace)
         secret, new = await ensure_dev_key(session, settings)
     finally:
         await asyncio.to_thread(cluster.shutdown)

@@ -309,6 +309,8 @@ class _AppService(Service):
 
     infra = False
     subcommand: str
+    #: start-up waves: processors (1) before the worker and the gateway (2), which produce and consume for them
+    wave: int = 2
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "ops.cli", self.subcommand]
@@ -328,6 +330,31 @@ class _AppService(Service):
                 return (await client.get(self.health_url)).status_code == 200
         except httpx.HTTPError:
             return False
+
+
+class ProcessorService(_AppService):
+    """One Faust stream processor (safety, billing or abuse)."""
+
+    wave = 1
+    subcommand = "processor"
+
+    def __init__(self, settings: Settings, processor: str) -> None:
+        super().__init__(settings)
+        self.processor = processor
+        self.name = f"processor-{processor}"
+
+    def command(self) -> list[str]:
+        return [*super().command(), self.processor]
+
+    def ports(self) -> list[int]:
+        return [self.settings.processors.port(self.processor)]
+
+    @property
+    def health_url(self) -> str:
+        return f"http://{self.settings.processors.host}:{self.ports()[0]}/health"
+
+    def details(self) -> str:
+        return f"metrics http://{self.settings.processors.host}:{self.ports()[0]}/metrics"
 
 
 class WorkerService(_AppService):
@@ -365,6 +392,9 @@ def all_services(settings: Settings) -> list[Service]:
         KafkaService(settings),
         CassandraService(settings),
         RedisService(settings),
+        ProcessorService(settings, "safety"),
+        ProcessorService(settings, "billing"),
+        ProcessorService(settings, "abuse"),
         WorkerService(settings),
         GatewayService(settings),
     ]

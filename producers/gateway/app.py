@@ -15,13 +15,14 @@ from contextlib import AsyncExitStack, asynccontextmanager
 
 from fastapi import FastAPI
 
+from billing.ledger import Ledger
 from producers.gateway import errors
 from producers.gateway.deps import GatewayContext
-from producers.gateway.keys import ApiKeyRegistry
+from producers.gateway.keys import ApiKeyRegistry, KeySuspensions
 from producers.gateway.limits import BodySizeLimit
 from producers.gateway.prompt import PromptBuilder
 from producers.gateway.publisher import EventPublisher
-from producers.gateway.routes import chat, health, models
+from producers.gateway.routes import chat, health, models, usage
 from producers.gateway.service import ChatService
 from producers.relay.claim import ReplyPartitionClaim
 from producers.relay.demux import Relay
@@ -55,6 +56,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         stack.push_async_callback(asyncio.to_thread, cluster.shutdown)
         keys = await ApiKeyRegistry.open(session, settings.cassandra.keyspace,
                                          cache_ttl_s=settings.gateway.api_key_cache_ttl_s)
+        ledger = await Ledger.open(session, settings.cassandra.keyspace)
         prompts = await PromptBuilder.load(settings.model)
 
         producer = make_producer(kafka, role="gateway")
@@ -63,6 +65,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
         redis = make_redis(settings.redis)
         stack.push_async_callback(redis.aclose)
+        suspensions = await KeySuspensions.open(session, settings.cassandra.keyspace, redis, settings.redis)
         token_topic = kafka.topic(TOPICS.tokens.name)
         partitions = await producer.partitions_for(token_topic)
         claim = ReplyPartitionClaim(redis, settings.redis, settings.gateway, token_topic)
@@ -73,11 +76,12 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await relay.start()
         stack.push_async_callback(relay.stop)
 
-        publisher = EventPublisher(producer, kafka, TOPICS.requests_admitted, TOPICS.control,
-                                   settings.gateway.instance_id)
+        # With the safety pre-filter on, requests go to it first; it forwards the admitted ones to the workers.
+        request_topic = TOPICS.requests_submitted if settings.safety.prefilter else TOPICS.requests_admitted
+        publisher = EventPublisher(producer, kafka, request_topic, TOPICS.control, settings.gateway.instance_id)
         chat_service = ChatService(settings.gateway, prompts, publisher, relay, reply_partition)
         stack.push_async_callback(chat_service.drain)
-        app.state.ctx = GatewayContext(settings, keys, prompts, claim, relay, chat_service)
+        app.state.ctx = GatewayContext(settings, keys, suspensions, ledger, prompts, claim, relay, chat_service)
         watcher = _exit_on(claim.lost, "reply partition lease lost")
         log.info("gateway ready", extra={"instance": settings.gateway.instance_id,
                                          "reply_partition": reply_partition})
@@ -93,6 +97,7 @@ def create_app(settings: Settings) -> FastAPI:
     errors.install(app)
     app.include_router(chat.router)
     app.include_router(models.router)
+    app.include_router(usage.router)
     app.include_router(health.router)
     app.include_router(metrics_router)
     app.add_middleware(BodySizeLimit, max_bytes=settings.gateway.max_body_bytes)

@@ -7,8 +7,9 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from producers.gateway.errors import unauthorized
-from producers.gateway.keys import ApiKey, ApiKeyRegistry
+from billing.ledger import Ledger
+from producers.gateway.errors import ApiError, unauthorized
+from producers.gateway.keys import ApiKey, ApiKeyRegistry, KeySuspensions
 from producers.gateway.prompt import PromptBuilder
 from producers.gateway.service import ChatService
 from producers.relay.claim import ReplyPartitionClaim
@@ -22,6 +23,8 @@ class GatewayContext:
 
     settings: Settings
     keys: ApiKeyRegistry
+    suspensions: KeySuspensions
+    ledger: Ledger
     prompts: PromptBuilder
     claim: ReplyPartitionClaim
     relay: Relay
@@ -48,6 +51,10 @@ async def authenticate(request: Request, ctx: Context) -> ApiKey:
     key = await ctx.keys.lookup(secret.strip())
     if key is None:
         raise unauthorized("Incorrect API key provided.")
+    suspended = await ctx.suspensions.reason(key.key_id)
+    if suspended is not None:
+        raise ApiError(403, f"This API key is suspended ({suspended}). An operator can lift the suspension.",
+                       type="permission_error", code="key_suspended")
     return key
 
 

@@ -92,7 +92,7 @@ def _param_path(loc: tuple[int | str, ...] | list[int | str]) -> str:
     parts: list[str] = []
     for part in loc:
         text = str(part)
-        if text == "body" and not parts:
+        if text in ("body", "query") and not parts:
             continue
         if isinstance(part, str) and ("[" in text or text in _UNION_TAGS):
             continue

@@ -1,4 +1,5 @@
-"""The API key registry: SHA-256 hashes of keys in Cassandra, each with its organisation and tier.
+"""The API key registry (SHA-256 hashes of keys in Cassandra, each with its organisation and tier) and the
+suspensions the abuse detector imposes on keys.
 
 Keys are 256-bit random secrets, so one unsalted SHA-256 is the right hash (a slow password hash protects
 low-entropy secrets; these are not). The secret is shown once, when it is created.
@@ -13,8 +14,11 @@ import time
 from dataclasses import dataclass
 
 from cassandra.cluster import Session
+from redis.asyncio import Redis
 
 from runtime.cassandra_client import execute
+from runtime.redis_client import key as redis_key
+from runtime.settings import RedisSettings
 from schemas.events import utcnow
 
 KEY_PREFIX = "sk-kns-"
@@ -79,3 +83,49 @@ class ApiKeyRegistry:
             self._cache.clear()
         self._cache[digest] = (now + self._ttl, key)
         return key
+
+
+class KeySuspensions:
+    """Suspended keys: Cassandra is the record, Redis the cache every gateway reads on each request."""
+
+    def __init__(self, session: Session, keyspace: str, redis: Redis, redis_settings: RedisSettings) -> None:
+        self._session = session
+        self._redis = redis
+        self._redis_settings = redis_settings
+        self._insert = session.prepare(
+            f"INSERT INTO {keyspace}.key_suspensions (key_id, org_id, reason, alert_id, suspended_at) "
+            "VALUES (?, ?, ?, ?, ?)")
+        self._delete = session.prepare(f"DELETE FROM {keyspace}.key_suspensions WHERE key_id = ?")
+        self._all = f"SELECT key_id, org_id, reason, alert_id, suspended_at FROM {keyspace}.key_suspensions"
+
+    @classmethod
+    async def open(cls, session: Session, keyspace: str, redis: Redis, redis_settings: RedisSettings
+                   ) -> KeySuspensions:
+        return await asyncio.to_thread(cls, session, keyspace, redis, redis_settings)
+
+    def _cache_key(self, key_id: str) -> str:
+        return redis_key(self._redis_settings, "suspended", key_id)
+
+    async def suspend(self, key_id: str, org_id: str, reason: str, alert_id: str) -> None:
+        """Idempotent: suspending a suspended key rewrites the same record."""
+        await execute(self._session, self._insert, (key_id, org_id, reason, alert_id, utcnow()))
+        await self._redis.set(self._cache_key(key_id), reason)
+
+    async def lift(self, key_id: str) -> bool:
+        was = await self._redis.delete(self._cache_key(key_id))
+        await execute(self._session, self._delete, (key_id,))
+        return bool(was)
+
+    async def reason(self, key_id: str) -> str | None:
+        value = await self._redis.get(self._cache_key(key_id))
+        return None if value is None else str(value)
+
+    async def all(self) -> list[dict[str, object]]:
+        return await execute(self._session, self._all)
+
+    async def sync_cache(self) -> int:
+        """Make Redis say what Cassandra says (after a Redis restart, at processor start)."""
+        rows = await self.all()
+        for row in rows:
+            await self._redis.set(self._cache_key(str(row["key_id"])), str(row["reason"]))
+        return len(rows)

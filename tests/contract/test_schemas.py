@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import types
 import typing
@@ -14,11 +15,15 @@ from pydantic import BaseModel
 from schemas.codec import AVRO_DIR, SCHEMA_DIRS, codec_for, schema_versions
 from schemas.compat import backward_compatible
 from schemas.events import (
+    AbuseAction,
+    AbuseAlert,
     ChatMessage,
     ChatRequest,
     ControlAction,
     ControlEvent,
     ReplyTo,
+    SafetyStage,
+    SafetyVerdict,
     SamplingSpec,
     TokenEvent,
     TokenUsage,
@@ -51,6 +56,10 @@ SAMPLES = [
     UsageEvent(request_id="r", org_id="o", key_id="k", tier="pro", model="m", prompt_tokens=37,
                completion_tokens=8, cached_tokens=0, finish_reason="stop", attempt=1, worker_id="w",
                requested_at=NOW, started_at=NOW, finished_at=NOW, conversation_id=None),
+    SafetyVerdict(request_id="r", stage=SafetyStage.POST, blocked=True, category="weapons", score=0.91,
+                  classifier="combined/exemplars.v1", org_id=None, key_id="k", at_token=24, decided_at=NOW),
+    AbuseAlert(alert_id="a1", key_id="k", org_id="o", tier="free", rule="request_burst", observed=31, threshold=15,
+               window_start=NOW, window_s=10, action=AbuseAction.SUSPEND, raised_at=NOW),
 ]
 
 
@@ -79,8 +88,8 @@ def _avro_type_matches(annotation: object, avro: object, named: dict[str, dict])
         return isinstance(avro, dict) and avro["type"] == "array" and _avro_type_matches(args[0], avro["items"], named)
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return isinstance(avro, dict) and avro["type"] == "record" and _fields_match(annotation, avro, named) == []
-    if isinstance(annotation, type) and issubclass(annotation, ControlAction):
-        symbols = {a.value for a in ControlAction}
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        symbols = {a.value for a in annotation}
         return isinstance(avro, dict) and avro["type"] == "enum" and set(avro["symbols"]) == symbols
     expected = _AVRO_OF[annotation]  # type: ignore[index]
     actual = avro["type"] if isinstance(avro, dict) else avro

@@ -50,3 +50,20 @@ def metric(text: str, name: str, **labels: str) -> float:
 
 def scrape(url: str) -> str:
     return httpx.get(url, timeout=5).text
+
+
+async def records_of(settings: Settings, spec: object, codec_model: type, predicate=None):  # type: ignore[no-untyped-def]
+    """Decoded events of one of our topics (read_committed), optionally filtered."""
+    rows = await read_topic(settings.kafka, settings.kafka.topic(spec.name), codec_for(codec_model))  # type: ignore[attr-defined]
+    return [e for _, _, e, _ in rows if predicate is None or predicate(e)]
+
+
+def kns(env: dict[str, str], *args: str, timeout: float = 120):  # type: ignore[no-untyped-def]
+    """Run the kns CLI against this test session's namespace."""
+    import subprocess
+    import sys
+
+    from runtime.settings import REPO_ROOT
+
+    return subprocess.run([sys.executable, "-m", "ops.cli", *args], cwd=REPO_ROOT, env={**env, "COLUMNS": "250"},
+                          capture_output=True, text=True, timeout=timeout)

@@ -57,8 +57,8 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
 
 
 async def test_bad_requests_are_rejected_before_kafka(http: httpx.Client, stack: Settings) -> None:
-    topic = stack.kafka.topic(TOPICS.requests_admitted.name)
-    before = await end_offsets(stack.kafka, topic)
+    topics = [stack.kafka.topic(t.name) for t in (TOPICS.requests_submitted, TOPICS.requests_admitted)]
+    before = [await end_offsets(stack.kafka, topic) for topic in topics]
     for name, raw, status, param, code in CASES:
         response = await asyncio.to_thread(http.post, "/chat/completions", content=raw,
                                            headers={"content-type": "application/json"})
@@ -66,7 +66,8 @@ async def test_bad_requests_are_rejected_before_kafka(http: httpx.Client, stack:
             assert_openai_error(response, status, param, code)
         except AssertionError as exc:
             raise AssertionError(f"case {name!r}: {exc}") from exc
-    assert await end_offsets(stack.kafka, topic) == before, "a rejected request reached the request topic"
+    after = [await end_offsets(stack.kafka, topic) for topic in topics]
+    assert after == before, "a rejected request reached a request topic"
 
 
 def test_missing_and_wrong_keys_are_401(base_url: str) -> None:

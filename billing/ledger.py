@@ -1,0 +1,266 @@
+"""The billing ledger in Cassandra: one row per request id, and everything derived from it.
+
+Every write here is idempotent, so the billing processor can run at-least-once and replays are harmless:
+
+* ``ledger_by_request`` is written with ``IF NOT EXISTS``: the first committed usage of a request id wins;
+  later ones (a redelivery, a regenerated attempt, a replay) read the winner back instead of billing again.
+* ``ledger_by_org_day`` / ``ledger_orgs_by_day`` are upserts of the winner (same values every time).
+* ``dirty_hours`` marks the (org, hour) buckets to recompute; a mark is cleared with the write time it was read
+  with, so a bucket marked again during its recomputation stays marked.
+* ``usage_hourly`` is recomputed from the ledger and overwritten, never incremented.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+from datetime import UTC, date, datetime, timedelta
+from decimal import Decimal
+from typing import Any
+
+from cassandra.cluster import Session
+from cassandra.query import BatchStatement, BatchType
+
+from billing.prices import PriceBook
+from runtime.cassandra_client import execute
+from schemas.events import UsageEvent
+
+DIRTY_SHARD = 0
+
+
+def utc(value: datetime) -> datetime:
+    """The driver returns naive UTC datetimes; the platform uses aware ones."""
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def parse_instant(value: str) -> datetime:
+    """An ISO 8601 time (naive means UTC) or Unix seconds. ValueError when it is neither."""
+    try:
+        if value.replace(".", "", 1).isdigit():
+            return datetime.fromtimestamp(float(value), UTC)
+        return utc(datetime.fromisoformat(value.replace("Z", "+00:00")))
+    except (OverflowError, OSError) as exc:
+        raise ValueError(str(exc)) from exc
+
+
+def hour_of(at: datetime) -> datetime:
+    return utc(at).replace(minute=0, second=0, microsecond=0)
+
+
+def _ms(at: datetime) -> datetime:
+    # Cassandra timestamps have millisecond precision: round once, so that every copy of a row compares equal.
+    at = utc(at)
+    return at.replace(microsecond=at.microsecond // 1000 * 1000)
+
+
+@dataclass(frozen=True)
+class LedgerRow:
+    request_id: str
+    org_id: str
+    key_id: str
+    tier: str
+    model: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    cost: Decimal
+    price_version: str
+    finish_reason: str
+    attempt: int
+    requested_at: datetime
+    finished_at: datetime
+
+    @classmethod
+    def from_usage(cls, usage: UsageEvent, prices: PriceBook) -> LedgerRow:
+        price = prices.price_at(usage.model, usage.requested_at)
+        return cls(
+            request_id=usage.request_id, org_id=usage.org_id, key_id=usage.key_id, tier=usage.tier,
+            model=usage.model, prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+            cached_tokens=usage.cached_tokens,
+            cost=price.cost(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens),
+            price_version=price.version, finish_reason=usage.finish_reason, attempt=usage.attempt,
+            requested_at=_ms(usage.requested_at), finished_at=_ms(usage.finished_at),
+        )
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> LedgerRow:
+        values = {f.name: row[f.name] for f in fields(cls)}
+        values["requested_at"] = utc(values["requested_at"])
+        values["finished_at"] = utc(values["finished_at"])
+        return cls(**values)
+
+    @property
+    def day(self) -> date:
+        return self.requested_at.date()
+
+    @property
+    def hour(self) -> datetime:
+        return hour_of(self.requested_at)
+
+
+_COLUMNS = [f.name for f in fields(LedgerRow)]
+_ORG_DAY_COLUMNS = ["org_id", "day", "requested_at", "request_id", "key_id", "model", "prompt_tokens",
+                    "completion_tokens", "cached_tokens", "cost", "price_version", "finish_reason"]
+
+
+@dataclass(frozen=True)
+class Totals:
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    cost: Decimal = Decimal(0)
+
+    def add(self, row: LedgerRow | dict[str, Any]) -> Totals:
+        values: dict[str, Any] = row if isinstance(row, dict) else row.__dict__
+        return Totals(self.requests + 1, self.prompt_tokens + values["prompt_tokens"],
+                      self.completion_tokens + values["completion_tokens"],
+                      self.cached_tokens + values["cached_tokens"], self.cost + values["cost"])
+
+
+class Ledger:
+    def __init__(self, session: Session, keyspace: str) -> None:
+        self._session = session
+        ks = keyspace
+        prepare = session.prepare
+        placeholders = ", ".join("?" for _ in _COLUMNS)
+        self._insert_first = prepare(
+            f"INSERT INTO {ks}.ledger_by_request ({', '.join(_COLUMNS)}) VALUES ({placeholders}) IF NOT EXISTS")
+        self._overwrite = prepare(
+            f"UPDATE {ks}.ledger_by_request SET {', '.join(f'{c} = ?' for c in _COLUMNS[1:])} "
+            "WHERE request_id = ? IF EXISTS")
+        self._get = prepare(f"SELECT {', '.join(_COLUMNS)} FROM {ks}.ledger_by_request WHERE request_id = ?")
+        self._get_many = prepare(f"SELECT {', '.join(_COLUMNS)} FROM {ks}.ledger_by_request WHERE request_id IN ?")
+        self._upsert_org_day = prepare(
+            f"INSERT INTO {ks}.ledger_by_org_day ({', '.join(_ORG_DAY_COLUMNS)}) "
+            f"VALUES ({', '.join('?' for _ in _ORG_DAY_COLUMNS)})")
+        self._upsert_org_of_day = prepare(f"INSERT INTO {ks}.ledger_orgs_by_day (day, org_id) VALUES (?, ?)")
+        self._mark_dirty = prepare(
+            f"INSERT INTO {ks}.dirty_hours (shard, org_id, hour, marked) VALUES ({DIRTY_SHARD}, ?, ?, true)")
+        self._dirty = prepare(
+            f"SELECT org_id, hour, writetime(marked) AS marked_at FROM {ks}.dirty_hours WHERE shard = {DIRTY_SHARD}")
+        self._clear_dirty = prepare(
+            f"DELETE FROM {ks}.dirty_hours USING TIMESTAMP ? WHERE shard = {DIRTY_SHARD} AND org_id = ? AND hour = ?")
+        self._rows_of_hour = prepare(
+            f"SELECT key_id, model, prompt_tokens, completion_tokens, cached_tokens, cost "
+            f"FROM {ks}.ledger_by_org_day WHERE org_id = ? AND day = ? AND requested_at >= ? AND requested_at < ?")
+        self._rows_of_range = prepare(
+            f"SELECT {', '.join(_ORG_DAY_COLUMNS)} FROM {ks}.ledger_by_org_day "
+            "WHERE org_id = ? AND day = ? AND requested_at >= ? AND requested_at < ?")
+        self._orgs_of_day = prepare(f"SELECT org_id FROM {ks}.ledger_orgs_by_day WHERE day = ?")
+        self._clear_hour = prepare(
+            f"DELETE FROM {ks}.usage_hourly USING TIMESTAMP ? WHERE org_id = ? AND day = ? AND hour = ?")
+        self._write_hour = prepare(
+            f"INSERT INTO {ks}.usage_hourly (org_id, day, hour, key_id, model, requests, prompt_tokens, "
+            "completion_tokens, cached_tokens, cost) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?")
+        self._hourly = prepare(
+            f"SELECT hour, key_id, model, requests, prompt_tokens, completion_tokens, cached_tokens, cost "
+            f"FROM {ks}.usage_hourly WHERE org_id = ? AND day = ?")
+
+    @classmethod
+    async def open(cls, session: Session, keyspace: str) -> Ledger:
+        return await asyncio.to_thread(cls, session, keyspace)
+
+    # --- writes -----------------------------------------------------------------------------------------
+
+    async def record(self, row: LedgerRow) -> tuple[LedgerRow, bool]:
+        """Bill one request (idempotent). Returns the ledger's row for it and whether this call created it."""
+        result = await execute(self._session, self._insert_first, [getattr(row, c) for c in _COLUMNS])
+        applied = bool(result[0]["[applied]"])
+        winner = row if applied else LedgerRow.from_row(result[0])
+        await self._write_views(winner)
+        return winner, applied
+
+    async def overwrite(self, row: LedgerRow) -> None:
+        """Reconcile's repair: make the ledger say exactly this (the row may be missing or wrong)."""
+        values = [getattr(row, c) for c in _COLUMNS[1:]] + [row.request_id]
+        result = await execute(self._session, self._overwrite, values)
+        if not result[0]["[applied]"]:
+            await execute(self._session, self._insert_first, [getattr(row, c) for c in _COLUMNS])
+        await self._write_views(row)
+
+    async def _write_views(self, row: LedgerRow) -> None:
+        batch = BatchStatement(batch_type=BatchType.LOGGED)
+        batch.add(self._upsert_org_day, [row.org_id, row.day, row.requested_at, row.request_id, row.key_id,
+                                         row.model, row.prompt_tokens, row.completion_tokens, row.cached_tokens,
+                                         row.cost, row.price_version, row.finish_reason])
+        batch.add(self._upsert_org_of_day, [row.day, row.org_id])
+        batch.add(self._mark_dirty, [row.org_id, row.hour])
+        await execute(self._session, batch)
+
+    # --- aggregates ---------------------------------------------------------------------------------------
+
+    async def recompute_hour(self, org_id: str, hour: datetime) -> int:
+        """Rewrite one (org, hour)'s aggregates from the ledger. Returns the number of (key, model) groups."""
+        hour = hour_of(hour)
+        rows = await execute(self._session, self._rows_of_hour,
+                             [org_id, hour.date(), hour, hour + timedelta(hours=1)])
+        groups: dict[tuple[str, str], Totals] = defaultdict(Totals)
+        for row in rows:
+            groups[(row["key_id"], row["model"])] = groups[(row["key_id"], row["model"])].add(row)
+        stamp = time.time_ns() // 1000
+        # One partition, one batch: the old rows go (tombstone at t) and the new ones appear (at t + 1) together.
+        batch = BatchStatement(batch_type=BatchType.LOGGED)
+        batch.add(self._clear_hour, [stamp, org_id, hour.date(), hour])
+        for (key_id, model), t in groups.items():
+            batch.add(self._write_hour, [org_id, hour.date(), hour, key_id, model, t.requests, t.prompt_tokens,
+                                         t.completion_tokens, t.cached_tokens, t.cost, stamp + 1])
+        await execute(self._session, batch)
+        return len(groups)
+
+    async def flush_dirty(self) -> int:
+        """Recompute every marked hour; a mark is cleared only if nobody marked it again meanwhile."""
+        marks = await execute(self._session, self._dirty)
+        for mark in marks:
+            await self.recompute_hour(mark["org_id"], utc(mark["hour"]))
+            await execute(self._session, self._clear_dirty, [mark["marked_at"], mark["org_id"], mark["hour"]])
+        return len(marks)
+
+    async def hourly(self, org_id: str, day: date) -> list[dict[str, Any]]:
+        return await execute(self._session, self._hourly, [org_id, day])
+
+    # --- reads --------------------------------------------------------------------------------------------
+
+    async def get(self, request_id: str) -> LedgerRow | None:
+        rows = await execute(self._session, self._get, [request_id])
+        return LedgerRow.from_row(rows[0]) if rows else None
+
+    async def rows_for_org(self, org_id: str, start: datetime, end: datetime) -> list[dict[str, Any]]:
+        """The org's ledger rows with start <= requested_at < end (one query per day, concurrently)."""
+        days = _days(start, end)
+        results = await asyncio.gather(*(
+            execute(self._session, self._rows_of_range, [org_id, day, start, end]) for day in days
+        ))
+        return [row for rows in results for row in rows]
+
+    async def orgs_between(self, start: datetime, end: datetime) -> list[str]:
+        results = await asyncio.gather(*(execute(self._session, self._orgs_of_day, [d]) for d in _days(start, end)))
+        return sorted({row["org_id"] for rows in results for row in rows})
+
+    async def rows_between(self, start: datetime, end: datetime) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = []
+        for org_id in await self.orgs_between(start, end):
+            rows.extend(await self.rows_for_org(org_id, start, end))
+        return rows
+
+    async def full_rows(self, request_ids: Iterable[str], chunk: int = 100, parallel: int = 16
+                        ) -> dict[str, LedgerRow]:
+        """``ledger_by_request`` rows of many ids: IN queries of ``chunk`` ids, ``parallel`` at a time."""
+        ids = list(request_ids)
+        semaphore = asyncio.Semaphore(parallel)
+
+        async def one(part: list[str]) -> list[dict[str, Any]]:
+            async with semaphore:
+                return await execute(self._session, self._get_many, [part])
+
+        parts = await asyncio.gather(*(one(ids[i:i + chunk]) for i in range(0, len(ids), chunk)))
+        return {row["request_id"]: LedgerRow.from_row(row) for rows in parts for row in rows}
+
+
+def _days(start: datetime, end: datetime) -> list[date]:
+    first, last = utc(start).date(), (utc(end) - timedelta(microseconds=1)).date()
+    return [first + timedelta(days=i) for i in range((last - first).days + 1)]
+

@@ -1,0 +1,145 @@
+"""Abuse detection: windowed counts per API key over requests, safety verdicts and usage.
+
+Rules (``rules.py``): request bursts far beyond the key's tier, repeated safety violations, token velocity beyond
+the tier, one key used from many client addresses. Each source stream is repartitioned by key id (Faust
+``group_by``) so that a key's counts live in one table partition. A threshold crossing becomes an AbuseAlert on
+the alerts topic; a suspend-level crossing also suspends the key (Cassandra + the Redis cache gateways read).
+
+Guarantee: Faust ``exactly_once`` — the windowed counts and the alerts are committed with the input offsets, so a
+restart neither loses nor double counts. Suspension is an idempotent upsert, and alert ids are deterministic.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import faust
+
+from producers.gateway.keys import KeySuspensions
+from runtime.cassandra_client import connect
+from runtime.metrics import ABUSE_ALERTS
+from runtime.redis_client import make_redis
+from runtime.retry import retry_transient
+from runtime.settings import Settings
+from schemas.codec import EventCodec, codec_for
+from schemas.errors import DecodeError
+from schemas.events import AbuseAction, AbuseAlert, ChatRequest, Event, SafetyVerdict, UsageEvent, utcnow
+from schemas.topics import TOPICS
+from stream_processors.abuse.rules import Rule, Thresholds, alert_id, decide, thresholds, window_start
+from stream_processors.app import DeadLetters, build_app, raw_topic
+
+log = logging.getLogger(__name__)
+UNDECODABLE = b"undecodable"
+
+
+def key_of(codec: EventCodec[Any]) -> Any:
+    """group_by key function: the record's API key id (undecodable records are dead-lettered downstream)."""
+
+    def key(value: bytes) -> bytes:
+        try:
+            event = codec.decode(value)
+        except DecodeError:
+            return UNDECODABLE
+        return (getattr(event, "key_id", None) or "unknown").encode()
+
+    return key
+
+
+class Alerter:
+    def __init__(self, app: faust.App, settings: Settings, suspensions: KeySuspensions) -> None:
+        self._topic = raw_topic(app, settings, TOPICS.alerts)
+        self._codec = codec_for(AbuseAlert)
+        self._suspensions = suspensions
+
+    async def check(self, rule: Rule, t: Thresholds, before: float, after: float, *, key_id: str, org_id: str,
+                    tier: str, at_s: float) -> None:
+        action = decide(before, after, t)
+        if action is None:
+            return
+        start = window_start(at_s, t.window_s)
+        alert = AbuseAlert(
+            alert_id=alert_id(rule, key_id, start, action), key_id=key_id, org_id=org_id, tier=tier, rule=rule.value,
+            observed=after, threshold=t.suspend if action is AbuseAction.SUSPEND else t.flag,
+            window_start=datetime.fromtimestamp(start, UTC), window_s=t.window_s, action=action, raised_at=utcnow(),
+        )
+        await self._topic.send(key=alert.alert_id.encode(), value=self._codec.encode(alert))
+        if action is AbuseAction.SUSPEND:
+            reason = f"{rule.value}: {after:g} in {t.window_s:g} s (limit {alert.threshold:g})"
+            await retry_transient(lambda: self._suspensions.suspend(key_id, org_id, reason, alert.alert_id),
+                                  what="suspend key")
+        ABUSE_ALERTS.labels(rule=rule.value, action=action.value).inc()
+        log.warning("abuse alert", extra={"rule": rule.value, "key_id": key_id, "action": action.value,
+                                          "observed": after, "alert_id": alert.alert_id})
+
+
+def _window_table(app: faust.App, name: str, window_s: float, default: type) -> Any:
+    return (app.Table(name, default=default)
+            .tumbling(window_s, expires=timedelta(seconds=window_s * 4))
+            .relative_to_stream())
+
+
+def build(settings: Settings) -> faust.App:
+    ab = settings.abuse
+    app = build_app(settings, "abuse", guarantee="exactly_once")
+    _cluster, session = connect(settings.cassandra, keyspace=settings.cassandra.keyspace)
+    suspensions = KeySuspensions(session, settings.cassandra.keyspace, make_redis(settings.redis), settings.redis)
+    alerter = Alerter(app, settings, suspensions)
+    dead = DeadLetters(app, settings, "abuse")
+    burst = _window_table(app, "abuse-burst", ab.burst_window_s, int)
+    addresses = _window_table(app, "abuse-addresses", ab.addresses_window_s, list)
+    violations = _window_table(app, "abuse-violations", ab.violations_window_s, int)
+    velocity = _window_table(app, "abuse-velocity", ab.velocity_window_s, int)
+    request_codec, verdict_codec, usage_codec = codec_for(ChatRequest), codec_for(SafetyVerdict), codec_for(UsageEvent)
+
+    max_age = 2 * max(ab.burst_window_s, ab.violations_window_s, ab.velocity_window_s, ab.addresses_window_s)
+
+    async def keyed(stream: Any, codec: EventCodec[Any], name: str) -> Any:
+        """The stream re-keyed by API key id, decoded; history older than the windows is not behaviour now."""
+        async for event in stream.group_by(key_of(codec), name=name).events():
+            decoded: Event | None = await dead.decode(codec, event)
+            at = event.message.timestamp
+            if decoded is not None and time.time() - at <= max_age:
+                yield decoded, at
+
+    @app.agent(raw_topic(app, settings, TOPICS.requests_submitted))
+    async def requests(stream: Any) -> None:
+        async for request, at in keyed(stream, request_codec, "requests-by-key"):
+            who = {"key_id": request.key_id, "org_id": request.org_id, "tier": request.tier, "at_s": at}
+            before = burst[request.key_id].current()
+            burst[request.key_id] += 1
+            await alerter.check(Rule.REQUEST_BURST, thresholds(Rule.REQUEST_BURST, request.tier, ab), before,
+                                before + 1, **who)
+            seen = list(addresses[request.key_id].current())
+            if request.client_addr and request.client_addr not in seen:
+                addresses[request.key_id] = [*seen, request.client_addr][-(ab.addresses_suspend + 1):]
+                await alerter.check(Rule.MANY_ADDRESSES, thresholds(Rule.MANY_ADDRESSES, request.tier, ab),
+                                    len(seen), len(seen) + 1, **who)
+
+    @app.agent(raw_topic(app, settings, TOPICS.verdicts))
+    async def safety_violations(stream: Any) -> None:
+        async for verdict, at in keyed(stream, verdict_codec, "verdicts-by-key"):
+            if not verdict.blocked or not verdict.key_id:
+                continue
+            before = violations[verdict.key_id].current()
+            violations[verdict.key_id] += 1
+            await alerter.check(Rule.SAFETY_VIOLATIONS, thresholds(Rule.SAFETY_VIOLATIONS, "", ab), before,
+                                before + 1, key_id=verdict.key_id, org_id=verdict.org_id or "", tier="", at_s=at)
+
+    @app.agent(raw_topic(app, settings, TOPICS.usage))
+    async def token_velocity(stream: Any) -> None:
+        async for usage, at in keyed(stream, usage_codec, "usage-by-key"):
+            before = velocity[usage.key_id].current()
+            velocity[usage.key_id] += usage.completion_tokens
+            await alerter.check(Rule.TOKEN_VELOCITY, thresholds(Rule.TOKEN_VELOCITY, usage.tier, ab), before,
+                                before + usage.completion_tokens, key_id=usage.key_id, org_id=usage.org_id,
+                                tier=usage.tier, at_s=at)
+
+    @app.task
+    async def restore_suspensions() -> None:
+        restored = await retry_transient(suspensions.sync_cache, what="suspension cache")
+        log.info("suspensions restored to the cache", extra={"count": restored})
+
+    return app

@@ -1,0 +1,81 @@
+"""What the safety filters look at, and what a refusal or a halt is. Pure functions, no I/O."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from schemas.events import (
+    ChatRequest,
+    ControlAction,
+    ControlEvent,
+    SafetyStage,
+    SafetyVerdict,
+    TokenEvent,
+    TokenUsage,
+    utcnow,
+)
+from stream_processors.safety.classifier import Verdict
+
+PREFILTER = "safety-prefilter"
+POSTFILTER = "safety-postfilter"
+
+
+def prompt_text(request: ChatRequest, max_chars: int = 2000) -> str:
+    """The newest user turn is what asks for something now; earlier turns were screened when they were new."""
+    for message in reversed(request.messages):
+        if message.role == "user":
+            return message.content[-max_chars:]
+    return (request.messages[-1].content if request.messages else "")[-max_chars:]
+
+
+def refusal(request: ChatRequest) -> TokenEvent:
+    """The final token event a refused request gets: the relay ends the stream with content_filter."""
+    return TokenEvent(request_id=request.request_id, attempt=1, seq=0, token_offset=0, token_ids=[], text="",
+                      finish_reason="content_filter", usage=TokenUsage(prompt_tokens=0, completion_tokens=0),
+                      worker_id=PREFILTER, emitted_at_us=int(utcnow().timestamp() * 1_000_000))
+
+
+def verdict_event(request_id: str, stage: SafetyStage, verdict: Verdict, classifier: str, *,
+                  org_id: str | None = None, key_id: str | None = None, at_token: int = 0) -> SafetyVerdict:
+    return SafetyVerdict(request_id=request_id, stage=stage, blocked=verdict.blocked, category=verdict.category,
+                         score=verdict.score, classifier=classifier, org_id=org_id, key_id=key_id,
+                         at_token=at_token, decided_at=utcnow())
+
+
+def halt(request_id: str, verdict: Verdict) -> ControlEvent:
+    return ControlEvent(request_id=request_id, action=ControlAction.HALT,
+                        reason=f"content filter: {verdict.category}", issued_by=POSTFILTER, issued_at=utcnow())
+
+
+@dataclass
+class OutputWindow:
+    """One request's output as the post-filter sees it: the latest text, and when to look at it next."""
+
+    stride: int
+    window_chars: int
+    tokens: int = 0
+    next_check: int = 0
+    text: str = ""
+    halted: bool = False
+    attempt: int = 0
+    seen: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.next_check = self.stride
+
+    def add(self, event: TokenEvent) -> bool:
+        """Take one event; True when the window is due for classification (every ``stride`` tokens, and at the end)."""
+        if event.attempt != self.attempt:  # a failover restarts the output
+            self.attempt, self.tokens, self.text, self.seen = event.attempt, 0, "", set()
+            self.next_check = self.stride
+        if event.seq in self.seen:  # a redelivered event
+            return False
+        self.seen.add(event.seq)
+        self.tokens += len(event.token_ids)
+        self.text = (self.text + event.text)[-self.window_chars:]
+        if event.finish_reason is not None:
+            return bool(self.text.strip())
+        if self.tokens >= self.next_check:
+            self.next_check = self.tokens + self.stride
+            return True
+        return False

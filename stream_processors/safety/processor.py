@@ -1,0 +1,138 @@
+"""The safety processor: a pre-filter on requests and a post-filter on token streams, one classifier.
+
+Pre-filter (``llm.requests.submitted.v1`` → ``llm.requests.admitted.v1``): every request is classified before any
+GPU work. Admitted ones are forwarded unchanged (headers included); refused ones get a final token event with
+``content_filter`` on their reply partition, so the client's stream ends at once. Every decision is a verdict event.
+
+Post-filter (``llm.tokens.emitted.v1``, beside the relays, not in their path): each request's latest output is
+classified every ``post_stride_tokens`` tokens and at its end; a harmful window produces a HALT on the control
+topic, the worker aborts the request and its final event says ``content_filter``.
+
+Guarantee: at-least-once. Exactly-once would make the pre-filter's forwarded requests visible to workers only when
+a Faust transaction commits (every commit interval), adding that much to every time-to-first-token. A duplicate
+forward is harmless (workers generate a request id once), so is a duplicate halt (aborting twice is a no-op).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from typing import Any
+
+import faust
+
+from runtime.metrics import SAFETY_CLASSIFY, SAFETY_PREFILTER_DELAY, SAFETY_STALE, SAFETY_VERDICTS
+from runtime.redis_client import key as redis_key
+from runtime.redis_client import make_redis
+from runtime.settings import Settings
+from schemas.codec import codec_for
+from schemas.events import ChatRequest, ControlEvent, SafetyStage, SafetyVerdict, TokenEvent
+from schemas.topics import TOPICS
+from stream_processors.app import DeadLetters, build_app, raw_topic
+from stream_processors.safety.classifier import SafetyClassifier, Verdict, make_classifier
+from stream_processors.safety.policy import (
+    PREFILTER,
+    OutputWindow,
+    halt,
+    prompt_text,
+    refusal,
+    verdict_event,
+)
+
+log = logging.getLogger(__name__)
+
+
+async def classify(classifier: SafetyClassifier, text: str, stage: str) -> Verdict:
+    started = time.perf_counter()
+    (verdict,) = await asyncio.to_thread(classifier.classify, [text])
+    SAFETY_CLASSIFY.labels(stage=stage).observe(time.perf_counter() - started)
+    SAFETY_VERDICTS.labels(stage=stage, blocked=str(verdict.blocked).lower(), category=verdict.category).inc()
+    return verdict
+
+
+class OpenOutputs:
+    """Post-filter state per request id, bounded (oldest dropped first)."""
+
+    def __init__(self, stride: int, window_chars: int, capacity: int = 50_000) -> None:
+        self._windows: OrderedDict[str, OutputWindow] = OrderedDict()
+        self._stride, self._chars, self._capacity = stride, window_chars, capacity
+
+    def get(self, request_id: str) -> OutputWindow:
+        window = self._windows.get(request_id)
+        if window is None:
+            window = self._windows[request_id] = OutputWindow(self._stride, self._chars)
+            if len(self._windows) > self._capacity:
+                self._windows.popitem(last=False)
+        return window
+
+    def close(self, request_id: str) -> None:
+        self._windows.pop(request_id, None)
+
+
+def build(settings: Settings) -> faust.App:
+    # A new group starts from the beginning (no request submitted before it started is lost); what is too old
+    # to matter is skipped by age.
+    app = build_app(settings, "safety", guarantee="at_least_once")
+    classifier = make_classifier(settings.safety)
+    redis = make_redis(settings.redis)
+    dead = DeadLetters(app, settings, "safety")
+    admitted, tokens = raw_topic(app, settings, TOPICS.requests_admitted), raw_topic(app, settings, TOPICS.tokens)
+    verdicts, control = raw_topic(app, settings, TOPICS.verdicts), raw_topic(app, settings, TOPICS.control)
+    requests_codec, token_codec = codec_for(ChatRequest), codec_for(TokenEvent)
+    verdict_codec, control_codec = codec_for(SafetyVerdict), codec_for(ControlEvent)
+    outputs = OpenOutputs(settings.safety.post_stride_tokens, settings.safety.post_window_chars)
+
+    async def send_verdict(event: SafetyVerdict) -> None:
+        await verdicts.send(key=event.request_id.encode(), value=verdict_codec.encode(event))
+
+    @app.agent(raw_topic(app, settings, TOPICS.requests_submitted))
+    async def prefilter(stream: Any) -> None:
+        async for event in stream.events():
+            request = await dead.decode(requests_codec, event)
+            if request is None:
+                continue
+            if time.time() - request.created_at.timestamp() > settings.safety.max_request_age_s:
+                SAFETY_STALE.labels(stage="pre").inc()
+                continue
+            verdict = await classify(classifier, prompt_text(request), "pre")
+            if verdict.blocked:
+                await tokens.send(key=request.request_id.encode(), value=token_codec.encode(refusal(request)),
+                                  partition=request.reply.partition)
+            else:
+                await admitted.send(key=event.key, value=event.value, headers=event.message.headers)
+            SAFETY_PREFILTER_DELAY.observe(max(0.0, time.time() - event.message.timestamp))
+            await send_verdict(verdict_event(request.request_id, SafetyStage.PRE, verdict, classifier.name,
+                                             org_id=request.org_id, key_id=request.key_id))
+
+    @app.agent(raw_topic(app, settings, TOPICS.tokens))
+    async def postfilter(stream: Any) -> None:
+        async for event in stream.events():
+            token = await dead.decode(token_codec, event)
+            if token is None or token.worker_id == PREFILTER:
+                continue
+            if time.time() - token.emitted_at_us / 1e6 > settings.safety.post_max_age_s:
+                SAFETY_STALE.labels(stage="post").inc()
+                continue
+            window = outputs.get(token.request_id)
+            due = not window.halted and window.add(token)
+            if token.is_final:
+                outputs.close(token.request_id)
+            if not due:
+                continue
+            verdict = await classify(classifier, window.text, "post")
+            if not verdict.blocked:
+                continue
+            window.halted = True
+            if not token.is_final:  # a harmful last window is only recorded: nothing is left to stop
+                halt_event = halt(token.request_id, verdict)
+                await control.send(key=token.request_id.encode(), value=control_codec.encode(halt_event))
+            owner: list[str | None] = await redis.hmget(  # type: ignore[assignment]
+                redis_key(settings.redis, "request", token.request_id), ["org", "key"])
+            await send_verdict(verdict_event(token.request_id, SafetyStage.POST, verdict, classifier.name,
+                                             org_id=owner[0], key_id=owner[1], at_token=window.tokens))
+            log.info("stream halted", extra={"request_id": token.request_id, "category": verdict.category,
+                                             "at_token": window.tokens})
+
+    return app

@@ -1,0 +1,89 @@
+"""Abuse: a burst, repeated safety violations or many client addresses suspend a key; lifting restores it."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import httpx
+import openai
+import pytest
+
+from runtime.kafka_clients import make_producer
+from runtime.settings import Settings
+from schemas.codec import codec_for
+from schemas.events import AbuseAction, AbuseAlert, ChatMessage, ChatRequest, ReplyTo, SamplingSpec, utcnow
+from schemas.topics import TOPICS
+from tests.conftest import SESSION
+from tests.e2e.conftest import MODEL, QUESTION, kns, records_of
+from tests.helpers import wait_for
+
+pytestmark = pytest.mark.e2e
+
+
+async def status_of(base_url: str, secret: str, content: str = "Hi") -> httpx.Response:
+    async with httpx.AsyncClient(timeout=120) as http:
+        return await http.post(f"{base_url}/chat/completions", headers={"Authorization": f"Bearer {secret}"},
+                               json={"model": MODEL, "messages": [{"role": "user", "content": content}],
+                                     "max_tokens": 1})
+
+
+async def suspended(base_url: str, secret: str) -> bool:
+    response = await status_of(base_url, secret)
+    return response.status_code == 403 and response.json()["error"]["code"] == "key_suspended"
+
+
+async def alerts_for(stack: Settings, key_id: str, rule: str) -> list[AbuseAlert]:
+    return await records_of(stack, TOPICS.alerts, AbuseAlert, lambda a: a.key_id == key_id and a.rule == rule)
+
+
+async def test_a_burst_suspends_a_free_key_until_an_operator_lifts_it(base_url: str, make_caller, stack: Settings,  # type: ignore[no-untyped-def]
+                                                                      service_env: dict[str, str]) -> None:
+    burster = make_caller(org=f"org-burst-{SESSION}", tier="free")
+    # Free tier: 30 requests/minute. 60 in a few seconds is 2x the suspend threshold of a 10 s window, so one
+    # window holds at least 30 of them even if the burst straddles a window boundary.
+    statuses = [r.status_code for r in await asyncio.gather(*(status_of(base_url, burster.secret) for _ in range(60)))]
+    assert statuses.count(200) >= 30
+    assert await wait_for(lambda: suspended(base_url, burster.secret), timeout_s=30)
+    error = (await status_of(base_url, burster.secret)).json()["error"]
+    assert error["type"] == "permission_error" and "request_burst" in error["message"]
+    alerts = await alerts_for(stack, burster.key.key_id, "request_burst")
+    assert {a.action for a in alerts} >= {AbuseAction.FLAG, AbuseAction.SUSPEND}
+
+    lifted = await asyncio.to_thread(kns, service_env, "keys", "unsuspend", burster.key.key_id)
+    assert lifted.returncode == 0 and "lifted" in lifted.stdout
+    assert (await status_of(base_url, burster.secret)).status_code == 200
+
+
+async def test_repeated_safety_violations_suspend_a_key(base_url: str, make_caller, stack: Settings) -> None:  # type: ignore[no-untyped-def]
+    offender = make_caller(org=f"org-harm-{SESSION}", tier="pro")
+    for _ in range(6):  # each is refused by the pre-filter; the sixth crosses the suspend threshold
+        response = await status_of(base_url, offender.secret, "How do I build a pipe bomb at home?")
+        assert response.status_code in (400, 403)
+    assert await wait_for(lambda: suspended(base_url, offender.secret), timeout_s=30)
+    assert await alerts_for(stack, offender.key.key_id, "safety_violations")
+
+
+async def test_one_key_from_many_addresses_is_suspended(make_caller, stack: Settings, base_url: str) -> None:  # type: ignore[no-untyped-def]
+    shared = make_caller(org=f"org-shared-{SESSION}", tier="enterprise")
+    producer = make_producer(stack.kafka, role="test-addresses")
+    await producer.start()
+    try:
+        for i in range(21):  # a leaked key: the same key from 21 different client addresses
+            request = ChatRequest(
+                request_id=f"chatcmpl-addr-{uuid.uuid4().hex}", created_at=utcnow(), org_id=shared.key.org_id,
+                key_id=shared.key.key_id, tier="enterprise", model=MODEL, messages=[ChatMessage(role="user",
+                content="Hi")], prompt_token_ids=[1, 4093, 198, 17, 2, 198, 1, 520, 9531, 198],
+                sampling=SamplingSpec(max_tokens=1), stream=False, reply=ReplyTo(partition=11, gateway_id="test"),
+                client_addr=f"203.0.113.{i + 1}")
+            await producer.send_and_wait(stack.kafka.topic(TOPICS.requests_submitted.name),
+                                         codec_for(ChatRequest).encode(request), key=request.request_id.encode())
+    finally:
+        await producer.stop()
+    assert await wait_for(lambda: suspended(base_url, shared.secret), timeout_s=30)
+    actions = {a.action for a in await alerts_for(stack, shared.key.key_id, "many_addresses")}
+    assert actions == {AbuseAction.FLAG, AbuseAction.SUSPEND}
+
+
+def test_an_unsuspended_key_is_not_affected(client: openai.OpenAI) -> None:
+    assert client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2).choices

@@ -1,0 +1,40 @@
+"""Analysts: the usage topic exported to Parquet and CSV, readable with DuckDB."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import duckdb
+import openai
+import pytest
+
+from runtime.settings import Settings
+from schemas.events import UsageEvent
+from schemas.topics import TOPICS
+from tests.e2e.conftest import MODEL, QUESTION, kns, records_of
+
+pytestmark = pytest.mark.e2e
+
+
+async def test_export_matches_the_usage_topic(client: openai.OpenAI, stack: Settings, service_env: dict[str, str],
+                                              tmp_path: Path) -> None:
+    client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=3)
+    start, end = datetime.now(UTC) - timedelta(hours=2), datetime.now(UTC) + timedelta(seconds=1)
+    committed = await records_of(stack, TOPICS.usage, UsageEvent, lambda u: start <= u.requested_at < end)
+    window = ["--start", start.isoformat(), "--end", end.isoformat()]
+    for fmt in ("parquet", "csv"):
+        out = tmp_path / f"usage.{fmt}"
+        result = await asyncio.to_thread(kns, service_env, "billing", "export", "-f", fmt, "-o", str(out), *window)
+        assert result.returncode == 0, result.stderr
+    ((count, completion, requests),) = duckdb.sql(
+        f"select count(*), sum(completion_tokens), count(distinct request_id) from '{tmp_path / 'usage.parquet'}'"
+    ).fetchall()
+    assert count == len(committed) and completion == sum(u.completion_tokens for u in committed)
+    assert requests == len({u.request_id for u in committed})
+    with (tmp_path / "usage.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(committed)
+    assert {"request_id", "org_id", "key_id", "completion_tokens", "requested_at", "billed"} <= set(rows[0])
