@@ -174,11 +174,14 @@ class Ledger:
         await self._write_views(winner)
         return winner, applied
 
-    async def overwrite(self, row: LedgerRow) -> None:
-        """Reconcile's repair: make the ledger say exactly this (the row may be missing or wrong)."""
-        values = [getattr(row, c) for c in _COLUMNS[1:]] + [row.request_id]
-        result = await execute(self._session, self._overwrite, values)
-        if not result[0]["[applied]"]:
+    async def overwrite(self, row: LedgerRow, *, missing: bool = False) -> None:
+        """Reconcile's repair: make the ledger say exactly this. ``missing``: the row is known to be absent, so
+        one conditional insert does (a wrong row takes a conditional update)."""
+        applied = False
+        if not missing:
+            values = [getattr(row, c) for c in _COLUMNS[1:]] + [row.request_id]
+            applied = bool((await execute(self._session, self._overwrite, values))[0]["[applied]"])
+        if not applied:
             await execute(self._session, self._insert_first, [getattr(row, c) for c in _COLUMNS])
         await self._write_views(row)
 

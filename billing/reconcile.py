@@ -101,14 +101,15 @@ async def reconcile(ledger: Ledger, prices: PriceBook, replay: UsageReplay, star
                     duplicates=replay.duplicates)
     report.discrepancies = unpriced + compare(expected, by_day, by_request)
     if repair:
-        fixable = [d.request_id for d in report.discrepancies if d.kind in ("missing", "mismatched")]
+        fixable = [d for d in report.discrepancies if d.kind in ("missing", "mismatched")]
         semaphore = asyncio.Semaphore(64)
 
-        async def fix(request_id: str) -> None:
+        async def fix(found: Discrepancy) -> None:
             async with semaphore:
-                await ledger.overwrite(expected[request_id])
+                absent = found.kind == "missing" and found.request_id not in by_request
+                await ledger.overwrite(expected[found.request_id], missing=absent)
 
-        await asyncio.gather(*(fix(rid) for rid in fixable))
+        await asyncio.gather(*(fix(d) for d in fixable))
         await ledger.flush_dirty()
         report.repaired = len(fixable)
     return report

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from bench.cli import app as bench_app
 from billing.cli import app as billing_app
 from ops.chat_cli import chat
 from ops.keys_cli import app as keys_app
@@ -16,6 +17,7 @@ app.add_typer(stack_app, name="stack")
 app.add_typer(keys_app, name="keys")
 app.add_typer(safety_app, name="safety")
 app.add_typer(billing_app, name="billing")
+app.add_typer(bench_app, name="bench")
 app.command()(chat)
 app.command()(topics)
 app.command()(tokens)

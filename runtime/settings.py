@@ -186,6 +186,7 @@ class SafetySettings(BaseModel):
     #: a request older than this when the pre-filter sees it has no client waiting any more (the gateway's idle
     #: timeout): it is dropped, not generated for nobody; token events older than post_max_age_s are not checked
     max_request_age_s: float = 120.0
+    prefilter_batch: int = 16
     post_max_age_s: float = 60.0
     embedding_threshold: float = 0.35
     embedding_margin: float = 0.08

@@ -56,7 +56,8 @@ def build_app(settings: Settings, name: str, *, guarantee: Guarantee) -> faust.A
 
     @app.page("/metrics")
     async def metrics(web: Any, request: Any) -> Any:
-        return web.bytes(generate_latest(), content_type=CONTENT_TYPE_LATEST)
+        # aiohttp refuses a charset in content_type; the exposition format's type carries one, so: a header.
+        return web.bytes(generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     @app.page("/health")
     async def health(web: Any, request: Any) -> Any:

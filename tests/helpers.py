@@ -61,6 +61,11 @@ class ServiceProcess:
             time.sleep(0.5)
         raise RuntimeError(f"{self.name} not healthy after {timeout_s} s:\n{self.tail()}")
 
+    def children(self) -> list[int]:
+        assert self.proc is not None
+        path = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+        return [int(pid) for pid in path.read_text().split()] if path.exists() else []
+
     def kill(self) -> None:
         """SIGKILL the whole process group: no clean-up, no commit, as a crash."""
         assert self.proc is not None

@@ -44,11 +44,19 @@ from stream_processors.safety.policy import (
 log = logging.getLogger(__name__)
 
 
-async def classify(classifier: SafetyClassifier, text: str, stage: str) -> Verdict:
+async def classify_many(classifier: SafetyClassifier, texts: list[str], stage: str) -> list[Verdict]:
+    """One forward pass for a batch: under load this is most of the pre-filter's cost, and a batch of n costs
+    far less than n single passes."""
     started = time.perf_counter()
-    (verdict,) = await asyncio.to_thread(classifier.classify, [text])
+    verdicts = await asyncio.to_thread(classifier.classify, texts)
     SAFETY_CLASSIFY.labels(stage=stage).observe(time.perf_counter() - started)
-    SAFETY_VERDICTS.labels(stage=stage, blocked=str(verdict.blocked).lower(), category=verdict.category).inc()
+    for verdict in verdicts:
+        SAFETY_VERDICTS.labels(stage=stage, blocked=str(verdict.blocked).lower(), category=verdict.category).inc()
+    return verdicts
+
+
+async def classify(classifier: SafetyClassifier, text: str, stage: str) -> Verdict:
+    (verdict,) = await classify_many(classifier, [text], stage)
     return verdict
 
 
@@ -87,16 +95,21 @@ def build(settings: Settings) -> faust.App:
     async def send_verdict(event: SafetyVerdict) -> None:
         await verdicts.send(key=event.request_id.encode(), value=verdict_codec.encode(event))
 
-    @app.agent(raw_topic(app, settings, TOPICS.requests_submitted))
-    async def prefilter(stream: Any) -> None:
-        async for event in stream.events():
+    async def screen(events: list[Any]) -> None:
+        """Classify a batch of submitted requests; forward the admitted, refuse the others."""
+        batch = []
+        for event in events:
             request = await dead.decode(requests_codec, event)
             if request is None:
                 continue
             if time.time() - request.created_at.timestamp() > settings.safety.max_request_age_s:
                 SAFETY_STALE.labels(stage="pre").inc()
                 continue
-            verdict = await classify(classifier, prompt_text(request), "pre")
+            batch.append((event, request))
+        if not batch:
+            return
+        verdicts = await classify_many(classifier, [prompt_text(request) for _, request in batch], "pre")
+        for (event, request), verdict in zip(batch, verdicts, strict=True):
             if verdict.blocked:
                 await tokens.send(key=request.request_id.encode(), value=token_codec.encode(refusal(request)),
                                   partition=request.reply.partition)
@@ -105,6 +118,12 @@ def build(settings: Settings) -> faust.App:
             SAFETY_PREFILTER_DELAY.observe(max(0.0, time.time() - event.message.timestamp))
             await send_verdict(verdict_event(request.request_id, SafetyStage.PRE, verdict, classifier.name,
                                              org_id=request.org_id, key_id=request.key_id))
+
+    @app.agent(raw_topic(app, settings, TOPICS.requests_submitted))
+    async def prefilter(stream: Any) -> None:
+        # Whatever queued up meanwhile, up to a batch, waiting at most a few milliseconds for company.
+        async for events in stream.take_events(settings.safety.prefilter_batch, within=0.005):
+            await screen(events)
 
     @app.agent(raw_topic(app, settings, TOPICS.tokens))
     async def postfilter(stream: Any) -> None:

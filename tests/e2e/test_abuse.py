@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import uuid
 
 import httpx
@@ -16,7 +18,7 @@ from schemas.events import AbuseAction, AbuseAlert, ChatMessage, ChatRequest, Re
 from schemas.topics import TOPICS
 from tests.conftest import SESSION
 from tests.e2e.conftest import MODEL, QUESTION, kns, records_of
-from tests.helpers import wait_for
+from tests.helpers import ServiceProcess, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -83,6 +85,19 @@ async def test_one_key_from_many_addresses_is_suspended(make_caller, stack: Sett
     assert await wait_for(lambda: suspended(base_url, shared.secret), timeout_s=30)
     actions = {a.action for a in await alerts_for(stack, shared.key.key_id, "many_addresses")}
     assert actions == {AbuseAction.FLAG, AbuseAction.SUSPEND}
+
+
+async def test_the_detector_comes_back_after_its_worker_crashes(base_url: str, make_caller,  # type: ignore[no-untyped-def]
+                                                               processors: dict[str, ServiceProcess]) -> None:
+    abuse = processors["abuse"]
+    (worker,) = abuse.children()
+    os.kill(worker, signal.SIGKILL)  # the Faust worker only: its supervisor must start a new one
+    assert await wait_for(lambda: abuse.children() not in ([], [worker]), timeout_s=30)
+    await asyncio.to_thread(abuse.wait_healthy, 180)
+    burster = make_caller(org=f"org-burst2-{SESSION}", tier="free")
+    await asyncio.gather(*(status_of(base_url, burster.secret) for _ in range(60)))
+    assert await wait_for(lambda: suspended(base_url, burster.secret), timeout_s=60)
+    assert "starting it again" in abuse.log_text()
 
 
 def test_an_unsuspended_key_is_not_affected(client: openai.OpenAI) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import httpx
 import openai
 import orjson
 import pytest
@@ -10,7 +11,7 @@ from runtime.settings import Settings
 from schemas.codec import codec_for
 from schemas.events import ChatRequest, TokenEvent
 from schemas.topics import TOPICS
-from tests.conftest import GATEWAY_PORT, WORKER_ADMIN_PORT
+from tests.conftest import GATEWAY_PORT, PROCESSOR_PORTS, WORKER_ADMIN_PORT
 from tests.e2e.conftest import MODEL, QUESTION, metric, scrape
 from tests.helpers import ServiceProcess, read_topic, wait_for
 
@@ -60,3 +61,16 @@ def test_metrics_are_exported(client: openai.OpenAI) -> None:
     assert metric(worker, "kns_kafka_hop_seconds_count", hop="gateway_to_worker") > 0
     assert metric(worker, "kns_worker_finalize_txn_seconds_count") > 0
     assert "kns_worker_requests_in_flight" in worker
+
+
+def test_every_processor_exports_its_metrics(client: openai.OpenAI, processors: dict[str, ServiceProcess]) -> None:
+    client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=4)
+    expected = {"safety": "kns_safety_verdicts_total", "billing": "kns_billing_usage_total",
+                "abuse": "kns_dead_lettered_total"}
+    for name, family in expected.items():
+        response = httpx.get(f"http://127.0.0.1:{PROCESSOR_PORTS[name]}/metrics", timeout=5)
+        assert response.status_code == 200, name
+        assert response.headers["content-type"].startswith("text/plain")
+        assert family in response.text, name
+    safety = scrape(f"http://127.0.0.1:{PROCESSOR_PORTS['safety']}/metrics")
+    assert metric(safety, "kns_safety_classify_seconds_count", stage="pre") > 0
