@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from bench.common import save
@@ -49,3 +51,213 @@ def safety(
                   f"p50 {post['decided_at_token']['p50']}, slip p50 {post['slip_tokens']['p50']} "
                   f"max {max((s['slip_tokens'] or 0) for s in post['streams'])} tokens")
     console.print(f"[green]saved[/green] {save('safety', result)}")
+
+
+def _summary_table(title: str, summaries: list[dict[str, Any]]) -> Table:
+    table = Table(title=title)
+    for column in ("target", "conc.", "done", "errors", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "ITL p50",
+                   "ITL p99", "TPOT p50", "E2E p50"):
+        table.add_column(column, justify="left" if column == "target" else "right")
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value * 1000:.1f}"
+
+    for s in summaries:
+        table.add_row(s["label"] or s["base_url"], str(s["concurrency"] or f"{s['rate']}/s"), str(s["completed"]),
+                      str(sum(s["errors"].values()) or "-"), f"{s['request_throughput'] or 0:.2f}",
+                      f"{s['output_tokens_per_s'] or 0:.1f}", ms(s["ttft_s"]["p50"]), ms(s["ttft_s"]["p99"]),
+                      ms(s["itl_s"]["p50"]), ms(s["itl_s"]["p99"]), ms(s["tpot_s"]["p50"]), ms(s["e2e_s"]["p50"]))
+    return table
+
+
+@app.command("load")
+def load(
+    base_url: str | None = typer.Option(None, help="OpenAI-compatible base URL (default: this stack's gateway)."),
+    model: str | None = typer.Option(None, help="Model name (default: the served model)."),
+    api_key: str | None = typer.Option(None, envvar="OPENAI_API_KEY", help="Default: .local/dev-api-key."),
+    concurrency: int | None = typer.Option(None, help="Requests in flight at once."),
+    rate: float | None = typer.Option(None, help="Poisson arrivals, requests per second."),
+    requests: int = typer.Option(64, help="How many requests."),
+    dataset: str = typer.Option("sharegpt", help="sharegpt (log-normal lengths) or fixed."),
+    input_len: int = typer.Option(128, help="Prompt length in words (median for sharegpt)."),
+    output_len: int = typer.Option(128, help="Output tokens (median for sharegpt)."),
+    seed: int = typer.Option(0),
+    ignore_eos: bool = typer.Option(True, help="Generate exactly max_tokens (servers that support it)."),
+    label: str = typer.Option("", help="Name of the target in tables and plots."),
+) -> None:
+    """Stream chat completions against a server and measure TTFT, ITL, TPOT, E2E and throughput."""
+    from bench.loadgen import Target, plan, run_load
+    from bench.plot import plot_runs
+    from bench.workload import Shape, WorkloadError
+
+    settings = load_settings()
+    if dataset not in ("sharegpt", "fixed"):
+        raise typer.BadParameter("--dataset must be sharegpt or fixed")
+    key = api_key
+    if key is None and base_url is None:
+        from ops.chat_cli import read_dev_key
+
+        key = read_dev_key(settings.stack.dev_key_file)
+    target = Target(base_url or f"http://{settings.gateway.host}:{settings.gateway.port}/v1",
+                    model or settings.model.served_name, key or "none", ignore_eos, label)
+    shape = Shape(dataset, requests, input_len, output_len, seed, settings.model.max_model_len)  # type: ignore[arg-type]
+    try:
+        run = plan(target, shape, concurrency=concurrency, rate=rate)
+    except WorkloadError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as bar:
+        task = bar.add_task(label or target.base_url, total=requests)
+        try:
+            asyncio.run(run_load(run, progress=lambda done: bar.update(task, completed=done)))
+        except KeyboardInterrupt:
+            run.interrupted = True
+            console.print("[yellow]interrupted: keeping what was measured[/yellow]")
+    summary = run.summary()
+    console.print(_summary_table("load", [summary]))
+    for status, count in summary["errors"].items():
+        console.print(f"[red]{count} requests failed with status {status}[/red]; e.g. "
+                      f"{next(r.error for r in run.results if not r.ok and str(r.status or 'connection') == status)}")
+    path = save("load", run.as_json())
+    png = plot_runs([run], path.with_suffix(".png"), f"load: {target.base_url}")
+    console.print(f"[green]saved[/green] {path} and {png}")
+
+
+@app.command("compare")
+def compare_command(
+    concurrency: list[int] = typer.Option([1, 8], "--concurrency", "-c", help="Repeat for several levels."),
+    rounds: int = typer.Option(4, min=1, help="A/B rounds per concurrency (medians are reported)."),
+    requests: int = typer.Option(16, min=2, help="Requests per round (at least 4 x concurrency)."),
+    input_len: int = typer.Option(128, help="Prompt words."),
+    output_len: int = typer.Option(64, help="Output tokens (ignore_eos on both sides)."),
+    referee: bool = typer.Option(True, help="Also run vLLM's own `vllm bench serve` against both."),
+) -> None:
+    """Our full pipeline vs vLLM's own OpenAI server: same model, same engine arguments, alternating rounds."""
+    from bench.compare import compare
+    from bench.plot import plot_runs
+    from bench.workload import Shape, WorkloadError
+    from ops.stack.manager import StackManager
+
+    settings = load_settings()
+    busy = [s.name for s in asyncio.run(StackManager(settings).status()) if s.pid and not s.name.startswith(
+        ("kafka", "cassandra", "redis"))]
+    if busy:
+        console.print(f"[yellow]note:[/yellow] {', '.join(busy)} of the dev stack are running; idle, they cost "
+                      "little, but for quiet figures stop them (kns stack down -s worker ...).")
+    shape = Shape("fixed", requests, input_len, output_len, 0, settings.model.max_model_len)
+    try:
+        shape.validate()
+    except WorkloadError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    results, runs = asyncio.run(compare(settings, concurrencies=concurrency, rounds=rounds, shape=shape,
+                                        with_referee=referee, report=lambda m: console.print(f"[dim]•[/dim] {m}")))
+    show_comparison(results)
+    path = save("compare", results)
+    png = plot_runs(runs, path.with_suffix(".png"), "ours vs vLLM's server (all rounds)")
+    console.print(f"[green]saved[/green] {path} and {png}")
+
+
+def show_comparison(results: dict[str, Any]) -> None:
+    for label, description in results["sides"].items():
+        console.print(f"[bold]{label}[/bold]: {description}")
+    table = Table(title="ours vs vLLM (medians over rounds)")
+    for column in ("conc.", "side", "out tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "errors"):
+        table.add_column(column, justify="right")
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value * 1000:.1f}"
+
+    for c, data in results["concurrency"].items():
+        for side in ("ours", "vllm"):
+            a = data[side]
+            table.add_row(c, side, f"{a['output_tokens_per_s']:.1f}", ms(a["ttft_p50"]), ms(a["ttft_p99"]),
+                          ms(a["itl_p50"]), ms(a["itl_p99"]), str(a["errors"]))
+        r = data["ours_vs_vllm"]
+        diffs = [f"{r[k]:+.1f}" for k in ("ttft_p50_diff_ms", "ttft_p99_diff_ms", "itl_p50_diff_ms", "itl_p99_diff_ms")]
+        table.add_row(c, "ours/vLLM", f"{r['output_tokens_per_s_ratio']}x", *diffs, "")
+    console.print(table)
+    for c, data in results["concurrency"].items():
+        cpu = Table(title=f"where the time goes, concurrency {c}: CPU seconds per 1000 output tokens (median)")
+        cpu.add_column("process")
+        cpu.add_column("ours", justify="right")
+        cpu.add_column("vllm", justify="right")
+        ours, theirs = (data[s].get("cpu_s_per_1k_output_tokens", {}) for s in ("ours", "vllm"))
+        for name in sorted(ours.keys() | theirs.keys(), key=lambda n: -(ours.get(n, 0) + theirs.get(n, 0))):
+            cells = [f"{side[name]:.2f}" if name in side else "" for side in (ours, theirs)]
+            cpu.add_row(name, *cells)
+        cpu.add_row("total", f"{sum(ours.values()):.2f}", f"{sum(theirs.values()):.2f}")
+        if ours or theirs:
+            console.print(cpu)
+    if "referee" in results:
+        ref = Table(title="referee: vllm bench serve (its own figures)")
+        for column in ("conc.", "side", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
+                       "failed"):
+            ref.add_column(column, justify="right")
+        for c, by_side in results["referee"].items():
+            for side, r in by_side.items():
+                if "error" in r:
+                    ref.add_row(c, side, "error", r["error"][-60:], "", "", "", "")
+                    continue
+                ref.add_row(c, side, f"{r['output_throughput']:.1f}", f"{r['median_ttft_ms']:.1f}",
+                            f"{r['p99_ttft_ms']:.1f}", f"{r['median_itl_ms']:.1f}", f"{r['p99_itl_ms']:.1f}",
+                            str(r["failed"]))
+        console.print(ref)
+
+
+@app.command("kafka-hop")
+def kafka_hop(
+    wait: list[int] = typer.Option([5, 100, 500], "--fetch-max-wait-ms", help="Consumer fetch waits to compare."),
+    records: int = typer.Option(500, min=10), gap_ms: float = typer.Option(20.0, help="Pause between records."),
+) -> None:
+    """Kafka produce → consume latency on this machine, per consumer fetch wait, with the clients' CPU."""
+    from bench.kafka_hop import run
+
+    results = asyncio.run(run(load_settings().kafka, wait, records, gap_ms / 1000))
+    table = Table(title=f"Kafka hop, {records} records, one every {gap_ms:g} ms")
+    for column in ("fetch_max_wait_ms", "p50 ms", "p90 ms", "p99 ms", "client CPU (cores)"):
+        table.add_column(column, justify="right")
+    for r in results:
+        h = r["hop_s"]
+        table.add_row(str(r["fetch_max_wait_ms"]), f"{h['p50'] * 1000:.2f}", f"{h['p90'] * 1000:.2f}",
+                      f"{h['p99'] * 1000:.2f}", f"{r['client_cpu_share_of_one_core']:.3f}")
+    console.print(table)
+    console.print(f"[green]saved[/green] {save('kafka-hop', {'results': results})}")
+
+
+@app.command("relay")
+def relay(
+    events: int = typer.Option(200_000, help="A: token events in the backlog."),
+    requests: int = typer.Option(1000, help="A: requests they belong to."),
+    level: list[int] = typer.Option([50, 100, 200, 400, 800, 1600], "--streams", help="B: concurrent streams."),
+    tokens: int = typer.Option(40, help="B: tokens per stream."),
+    rate: float = typer.Option(20.0, help="B: tokens per second per stream (synthetic engine)."),
+    ttft_limit_ms: float = typer.Option(1000.0), itl_limit_ms: float = typer.Option(250.0),
+    skip_streams: bool = typer.Option(False, help="Only part A."),
+) -> None:
+    """Relay capacity: A. demultiplexer events/s; B. concurrent SSE streams before TTFT/ITL p99 degrade."""
+    from bench.relay import demux_capacity, stream_capacity
+
+    settings = load_settings()
+    result: dict[str, Any] = {"demux": asyncio.run(demux_capacity(settings, events, requests))}
+    d = result["demux"]
+    console.print(f"A. one relay demultiplexes {d['events_per_s']:,} token events/s "
+                  f"({d['events']:,} events, {d['requests']} requests, {d['seconds']:.2f} s)")
+    if not skip_streams:
+        import uvloop  # the clients' event loop is part of what is measured: the fast one
+
+        result["streams"] = uvloop.run(stream_capacity(
+            settings, level, tokens, rate, ttft_limit_ms / 1000, itl_limit_ms / 1000,
+            lambda m: console.print(f"[dim]•[/dim] {m}")))
+        table = Table(title=f"B. SSE streams through one gateway ({tokens} tokens at {rate:g}/s each)")
+        for column in ("streams", "done", "relayed events/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "ok"):
+            table.add_column(column, justify="right")
+        for lv in result["streams"]["levels"]:
+            table.add_row(str(lv["streams"]), str(lv["completed"]), str(lv["relayed_events_per_s"]),
+                          *(f"{lv[m][q] * 1000:.0f}" if lv[m][q] is not None else "-"
+                            for m in ("ttft_s", "itl_s") for q in ("p50", "p99")),
+                          "yes" if lv["ok"] else "[red]no[/red]")
+        console.print(table)
+        for lv in result["streams"]["levels"]:
+            busy = ", ".join(f"{k} {v:.2f}" for k, v in sorted(lv["cpu_cores"].items(), key=lambda kv: -kv[1]))
+            console.print(f"  {lv['streams']} streams, CPU cores busy: {busy}")
+    console.print(f"[green]saved[/green] {save('relay', result)}")

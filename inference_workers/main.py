@@ -8,7 +8,8 @@ import signal
 import sys
 
 from inference_workers.engine import VllmEngine
-from inference_workers.protocol import EngineDeadError
+from inference_workers.protocol import EngineClient, EngineDeadError
+from inference_workers.synthetic import SyntheticEngine
 from inference_workers.worker import Worker
 from runtime.logs import configure_logging
 from runtime.settings import Settings, load_settings
@@ -19,7 +20,11 @@ log = logging.getLogger(__name__)
 
 async def serve(settings: Settings) -> None:
     # Blocking on purpose: nothing else runs before the engine is up (health answers only after).
-    engine = VllmEngine.start(settings.model, settings.engine)
+    engine: EngineClient
+    if settings.engine.kind == "synthetic":
+        engine = SyntheticEngine(settings.engine)
+    else:
+        engine = VllmEngine.start(settings.model, settings.engine)
     worker = Worker(settings, engine)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -24,8 +24,9 @@ class KafkaSettings(BaseModel):
     namespace: str = ""
     client_id: str = "kns"
     request_timeout_ms: int = 30_000
-    # Relay latency is bounded below by this when a partition is idle: keep it small.
-    fetch_max_wait_ms: int = 5
+    # A long poll returns as soon as a record arrives, so this bounds only idle polls: a short wait buys no latency
+    # and makes idle consumers re-poll the broker all the time (bench: kns bench kafka-hop).
+    fetch_max_wait_ms: int = 100
     producer_linger_ms: int = 0
     compression: Literal["none", "lz4", "gzip", "zstd", "snappy"] = "lz4"
     session_timeout_ms: int = 10_000
@@ -75,6 +76,10 @@ def _cuda_available() -> bool:
 class EngineSettings(BaseModel):
     """vLLM engine arguments. ``None`` means: pick the default for the device (CPU here, CUDA when present)."""
 
+    #: "synthetic" replaces the model with tokens at a fixed rate (benchmarks of everything around the engine)
+    kind: Literal["vllm", "synthetic"] = "vllm"
+    synthetic_tokens_per_s: float = 20.0
+    synthetic_max_seqs: int = 20_000
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: str | None = None
     max_num_seqs: int | None = None

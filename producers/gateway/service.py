@@ -132,10 +132,15 @@ class ChatService:
         fmt = ChunkFormatter(accepted.request_id, accepted.request.model, accepted.created,
                              include_usage=accepted.include_usage)
         outcome = "cancelled"
+        role_sent = False
         try:
-            yield fmt.role()
             while True:
                 delta = await self._next(accepted)
+                if not role_sent:
+                    # With the first output, as vLLM and OpenAI do: a chunk before any token would make clients
+                    # (and benchmark tools) measure a time to first token that no token met.
+                    yield fmt.role()
+                    role_sent = True
                 if delta.text:
                     yield fmt.content(delta.text)
                 if not delta.finished:

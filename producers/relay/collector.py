@@ -50,6 +50,11 @@ class StreamCollector:
     def finished(self) -> bool:
         return self._final is not None
 
+    @property
+    def delivered(self) -> int:
+        """Tokens accepted so far (handed out or still pending)."""
+        return self._delivered
+
     def put(self, event: TokenEvent) -> bool:
         """Merge one event; False when it was a duplicate or stale and ignored."""
         if self._final is not None or event.attempt < self._attempt:

@@ -42,11 +42,16 @@ class Relay:
         self._unknown = RELAY_EVENTS.labels(kind="unknown_request")
         self._duplicate = RELAY_EVENTS.labels(kind="duplicate")
 
-    async def start(self) -> None:
-        consumer = make_consumer(self._kafka, role="relay", isolation="read_uncommitted")
+    async def start(self, from_offset: int | None = None) -> None:
+        """Tail the partition from its end (``from_offset``: from there instead; benchmarks replay a backlog)."""
+        consumer = make_consumer(self._kafka, role="relay", isolation="read_uncommitted",
+                                 max_partition_fetch_bytes=4 * 1024 * 1024)
         await consumer.start()
         consumer.assign([self.partition])
-        await consumer.seek_to_end(self.partition)
+        if from_offset is None:
+            await consumer.seek_to_end(self.partition)
+        else:
+            consumer.seek(self.partition, from_offset)
         # Resolve the position now: a request produced after start() must not be missed.
         position = await consumer.position(self.partition)
         self._consumer = consumer

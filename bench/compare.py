@@ -1,0 +1,154 @@
+"""Side by side: our pipeline vs vLLM's own server, same model, same engine arguments, same workload.
+
+Both servers run at once (idle engines cost nothing) and take turns: each round runs the workload on one side, then
+on the other, the order alternating between rounds, so drift on this noisy machine hits both. Reported per
+concurrency: the median over rounds of each figure, the ratio of output tokens/s (ours / vLLM) and the differences
+of TTFT and ITL percentiles. Optionally vLLM's own benchmark client measures both sides too (the referee).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench.cpu import CpuMeter
+from bench.loadgen import Run, Target, plan, run_load
+from bench.servers import Side, our_side, vllm_side
+from bench.workload import Shape, items
+from ops.stack.manager import StackManager
+from runtime.settings import REPO_ROOT, Settings
+
+Report = Callable[[str], None]
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def aggregate(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over rounds of the figures the comparison reports."""
+    return {
+        "rounds": len(summaries),
+        "output_tokens_per_s": _median([s["output_tokens_per_s"] for s in summaries]),
+        "request_throughput": _median([s["request_throughput"] for s in summaries]),
+        "errors": sum(sum(s["errors"].values()) for s in summaries),
+        "cpu_s_per_1k_output_tokens": cpu_per_1k_tokens(summaries),
+        **{f"{metric}_{q}": _median([s[f"{metric}_s"][q] for s in summaries])
+           for metric in ("ttft", "itl", "tpot", "e2e") for q in ("p50", "p99")},
+    }
+
+
+def cpu_per_1k_tokens(summaries: list[dict[str, Any]]) -> dict[str, float]:
+    """Median CPU seconds per 1000 output tokens, per process, over rounds: where each side's time goes."""
+    per_round = [{k: v * 1000 / s["output_tokens"] for k, v in s.get("cpu_s", {}).items()}
+                 for s in summaries if s["output_tokens"]]
+    keys = {k for r in per_round for k in r}
+    return {k: round(statistics.median(r.get(k, 0.0) for r in per_round), 3)
+            for k in sorted(keys) if any(r.get(k, 0.0) > 0.005 for r in per_round)}
+
+
+def ratios(ours: dict[str, Any], vllm: dict[str, Any]) -> dict[str, Any]:
+    def diff_ms(key: str) -> float | None:
+        a, b = ours.get(key), vllm.get(key)
+        return None if a is None or b is None else round((a - b) * 1000, 2)
+
+    tput = (ours["output_tokens_per_s"] / vllm["output_tokens_per_s"]
+            if ours["output_tokens_per_s"] and vllm["output_tokens_per_s"] else None)
+    return {"output_tokens_per_s_ratio": round(tput, 3) if tput else None,
+            **{f"{k}_diff_ms": diff_ms(k) for k in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")}}
+
+
+async def _warm(side: Side, model: str) -> None:
+    run = plan(Target(side.base_url, model, side.api_key, label=side.label), Shape("fixed", 4, 32, 8), concurrency=2)
+    await run_load(run)
+
+
+def referee(side: Side, settings: Settings, concurrency: int, shape: Shape) -> dict[str, Any]:
+    """vLLM's benchmark client against one side, on the very prompts and output lengths our generator sends (its
+    ``custom`` dataset, chat template left to the server); its own figures."""
+    with tempfile.TemporaryDirectory() as tmp:
+        dataset = Path(tmp) / "prompts.jsonl"
+        dataset.write_text("".join(json.dumps({"prompt": i.prompt, "output_tokens": i.max_tokens}) + "\n"
+                                   for i in items(shape)))
+        cmd = [sys.executable, "-m", "bench.referee", "--backend", "openai-chat", "--base-url",
+               side.base_url.removesuffix("/v1"), "--endpoint", "/v1/chat/completions",
+               "--model", settings.model.served_name, "--tokenizer", str(settings.model.path),
+               "--dataset-name", "custom", "--dataset-path", str(dataset), "--skip-chat-template",
+               "--custom-output-len", "-1", "--num-prompts", str(shape.requests),
+               "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", str(shape.seed), "--disable-tqdm",
+               "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+               "--save-result", "--result-dir", tmp, "--result-filename", "result.json"]
+        env = {**os.environ, "OPENAI_API_KEY": side.api_key}
+        done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0:
+            return {"error": (done.stdout + done.stderr)[-2000:]}
+        data = json.loads((Path(tmp) / "result.json").read_text())
+    keys = ("completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
+            "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "median_tpot_ms",
+            "median_e2el_ms")
+    return {k: data.get(k) for k in keys}
+
+
+async def compare(settings: Settings, *, concurrencies: list[int], rounds: int, shape: Shape, with_referee: bool,
+                  report: Report, gateway_port: int = 8010, worker_port: int = 8110, vllm_port: int = 8300
+                  ) -> tuple[dict[str, Any], list[Run]]:
+    report("making sure Kafka, Cassandra and Redis are up")
+    await StackManager(settings).up(app=False)
+    ours = await our_side(settings, gateway_port, worker_port, namespace="bench-compare")
+    theirs = vllm_side(settings, vllm_port)
+    sides = [ours, theirs]
+    procs = [p for side in sides for p in side.procs]
+    manager = StackManager(settings)
+    infra = {s.name: pid for s in manager.services if s.infra and (pid := manager.pid_file(s).live_pid())}
+    runs: list[Run] = []
+    try:
+        report("starting vLLM's server and our worker + gateway (same engine arguments)")
+        for proc in procs:
+            proc.start()
+        await asyncio.gather(*(proc.wait() for proc in procs))
+        for side in sides:
+            await _warm(side, settings.model.served_name)
+        per: dict[int, dict[str, list[dict[str, Any]]]] = {}
+        for c in concurrencies:
+            per[c] = {side.label: [] for side in sides}
+            workload = Shape(shape.dataset, max(shape.requests, 4 * c), shape.input_words, shape.output_tokens,
+                             shape.seed, shape.max_context)
+            for r in range(rounds):
+                for side in (sides if r % 2 == 0 else sides[::-1]):
+                    report(f"concurrency {c}, round {r + 1}/{rounds}: {side.label}")
+                    run = plan(Target(side.base_url, settings.model.served_name, side.api_key, label=side.label),
+                               workload, concurrency=c)
+                    meter = CpuMeter({**{p.name: p.pid for p in side.procs if p.pid}, **infra})
+                    await run_load(run)
+                    runs.append(run)
+                    summary = run.summary()
+                    summary["cpu_s"] = meter.since()
+                    per[c][side.label].append(summary)
+        results: dict[str, Any] = {"shape": shape.__dict__, "sides": {s.label: s.description for s in sides},
+                                   "concurrency": {}}
+        for c, by_side in per.items():
+            agg = {label: aggregate(summaries) for label, summaries in by_side.items()}
+            results["concurrency"][str(c)] = {**agg, "ours_vs_vllm": ratios(agg["ours"], agg["vllm"]),
+                                              "rounds": by_side}
+        if with_referee:
+            results["referee"] = {}
+            for c in concurrencies:
+                workload = Shape(shape.dataset, max(shape.requests, 4 * c), shape.input_words, shape.output_tokens,
+                                 shape.seed, shape.max_context)
+                for side in sides:
+                    report(f"referee (vllm bench serve), concurrency {c}: {side.label}")
+                    result = await asyncio.to_thread(referee, side, settings, c, workload)
+                    results["referee"].setdefault(str(c), {})[side.label] = result
+        return results, runs
+    finally:
+        for proc in procs:
+            proc.stop()

@@ -1,0 +1,129 @@
+"""The two sides of a comparison, as processes this benchmark starts and stops.
+
+* vLLM's own OpenAI-compatible server (``python -m vllm.entrypoints.openai.api_server``) with the engine arguments
+  our worker uses (``inference_workers.engine.engine_args``), turned into its flags;
+* our pipeline: one worker and one gateway in a namespace of their own (fresh topics), on the running Kafka,
+  Cassandra and Redis. The safety pre-filter is off there, so that the comparison measures the Kafka path itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from inference_workers.engine import engine_args
+from ops.stack.process import PidFile, spawn, stop, tail
+from producers.gateway.keys import ApiKeyRegistry
+from runtime.cassandra_client import connect_async
+from runtime.kafka_clients import ensure_topics
+from runtime.settings import REPO_ROOT, Settings
+from schemas.topics import TOPICS
+
+RUN_DIR = REPO_ROOT / ".local" / "bench"
+
+
+def vllm_flags(args: dict[str, Any]) -> list[str]:
+    flags = []
+    for name, value in args.items():
+        if name == "model":
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else f"--no-{name.replace('_', '-')}")
+        elif isinstance(value, dict):
+            import json
+
+            flags += [flag, json.dumps(value)]
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+@dataclass
+class Proc:
+    name: str
+    cmd: list[str]
+    env: dict[str, str]
+    health: str
+    pid_file: PidFile = field(init=False)
+    log: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.pid_file = PidFile(RUN_DIR / f"{self.name}.pid")
+        self.log = RUN_DIR / f"{self.name}.log"
+
+    def start(self) -> None:
+        if self.pid_file.live_pid() is not None:
+            stop(self.pid_file)
+        self.log.unlink(missing_ok=True)
+        spawn(self.cmd, log_file=self.log, pid_file=self.pid_file, env=self.env, cwd=REPO_ROOT)
+
+    async def wait(self, timeout_s: float = 600) -> None:
+        deadline = time.monotonic() + timeout_s
+        async with httpx.AsyncClient(timeout=3) as client:
+            while time.monotonic() < deadline:
+                if self.pid_file.live_pid() is None:
+                    raise RuntimeError(f"{self.name} exited:\n{tail(self.log)}")
+                try:
+                    if (await client.get(self.health)).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(1)
+        raise RuntimeError(f"{self.name} not healthy in {timeout_s} s:\n{tail(self.log)}")
+
+    def stop(self) -> None:
+        stop(self.pid_file)
+
+    @property
+    def pid(self) -> int | None:
+        return self.pid_file.live_pid()
+
+
+@dataclass
+class Side:
+    label: str
+    base_url: str
+    api_key: str
+    procs: list[Proc]
+    description: str
+
+
+def vllm_side(settings: Settings, port: int) -> Side:
+    args = engine_args(settings.model, settings.engine)
+    env = {**os.environ, "VLLM_CACHE_ROOT": str(settings.engine.effective().cache_dir), "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args["model"]),
+           "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log", *vllm_flags(args)]
+    proc = Proc("vllm-server", cmd, env, f"http://127.0.0.1:{port}/health")
+    return Side("vllm", f"http://127.0.0.1:{port}/v1", "none", [proc],
+                "vLLM's OpenAI server (1 API process + 1 engine-core process): " + " ".join(cmd[3:]))
+
+
+async def our_side(settings: Settings, gateway_port: int, worker_port: int, namespace: str) -> Side:
+    kafka = settings.kafka.model_copy(update={"namespace": namespace})
+    await ensure_topics(kafka, TOPICS.all())
+    cluster, session = await connect_async(settings.cassandra)
+    try:
+        registry = await ApiKeyRegistry.open(session, settings.cassandra.keyspace)
+        secret, _ = await registry.create(org_id="org-bench", tier="enterprise", name="bench")
+    finally:
+        await asyncio.to_thread(cluster.shutdown)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "KNS_KAFKA__NAMESPACE": namespace,
+           "KNS_SAFETY__PREFILTER": "false", "KNS_GATEWAY__PORT": str(gateway_port),
+           "KNS_GATEWAY__INSTANCE_ID": f"bench-gateway-{namespace}", "KNS_WORKER__ADMIN_PORT": str(worker_port),
+           "KNS_WORKER__INSTANCE_ID": f"bench-worker-{namespace}"}
+    worker = Proc("bench-worker", [sys.executable, "-m", "ops.cli", "worker"], env,
+                  f"http://127.0.0.1:{worker_port}/health")
+    gateway = Proc("bench-gateway", [sys.executable, "-m", "ops.cli", "gateway"], env,
+                   f"http://127.0.0.1:{gateway_port}/health")
+    args = engine_args(settings.model, settings.engine)
+    return Side("ours", f"http://127.0.0.1:{gateway_port}/v1", secret, [worker, gateway],
+                f"kns gateway + Kafka + worker (1 gateway process, 1 worker process + 1 engine-core process), "
+                f"namespace {namespace}, safety pre-filter off; engine {args}")

@@ -1,0 +1,89 @@
+"""The benchmark harness's pure parts: workloads, validation, aggregation."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.compare import aggregate, ratios
+from bench.loadgen import RequestResult, Target, plan
+from bench.workload import Shape, WorkloadError, items
+
+
+def test_workloads_are_seeded_and_identical_for_both_sides() -> None:
+    a, b = items(Shape("sharegpt", 50, seed=3)), items(Shape("sharegpt", 50, seed=3))
+    assert a == b and items(Shape("sharegpt", 50, seed=4)) != a
+    lengths = {i.max_tokens for i in a}
+    assert len(lengths) > 10  # a mix, not one length
+    fixed = items(Shape("fixed", 5, input_words=20, output_tokens=7))
+    assert {i.max_tokens for i in fixed} == {7} and len({len(i.prompt.split()) for i in fixed}) == 1
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"concurrency": None, "rate": None}, "exactly one of"),
+    ({"concurrency": 2, "rate": 1.0}, "exactly one of"),
+    ({"concurrency": 0}, "--concurrency"),
+    ({"rate": -1.0}, "--rate"),
+])
+def test_bad_load_arguments_are_explained(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(WorkloadError, match=message):
+        plan(Target("http://127.0.0.1:1/v1", "m"), Shape(), **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("shape", "message"), [
+    (Shape(requests=0), "--requests"),
+    (Shape(input_words=1500, output_tokens=100), "does not fit"),
+    (Shape(output_tokens=0), "--output-len"),
+])
+def test_bad_shapes_are_explained(shape: Shape, message: str) -> None:
+    with pytest.raises(WorkloadError, match=message):
+        shape.validate()
+
+
+@pytest.mark.parametrize("url", ["localhost:8000", "ftp://x/v1", "http://"])
+def test_bad_urls_are_explained(url: str) -> None:
+    with pytest.raises(WorkloadError, match="--base-url"):
+        plan(Target(url, "m"), Shape(), concurrency=1)
+
+
+def test_tpot_excludes_the_first_token() -> None:
+    assert RequestResult(0, True, ttft=0.5, e2e=1.5, output_tokens=11).tpot == pytest.approx(0.1)
+    assert RequestResult(0, True, ttft=0.5, e2e=0.5, output_tokens=1).tpot is None
+
+
+def _summary(tput: float, ttft: float, itl: float) -> dict[str, object]:
+    pct = lambda v: {"p50": v, "p90": v, "p99": v * 2, "mean": v}  # noqa: E731
+    return {"output_tokens_per_s": tput, "output_tokens": 100, "request_throughput": 1.0, "errors": {},
+            "cpu_s": {"engine": tput / 100}, "ttft_s": pct(ttft),
+            "itl_s": pct(itl), "tpot_s": pct(itl), "e2e_s": pct(1.0)}
+
+
+def test_medians_over_rounds_and_ratios() -> None:
+    ours = aggregate([_summary(t, 0.2, 0.05) for t in (10, 30, 20)])
+    vllm = aggregate([_summary(t, 0.1, 0.04) for t in (20, 20, 40)])
+    assert ours["output_tokens_per_s"] == 20 and vllm["output_tokens_per_s"] == 20
+    r = ratios(ours, vllm)
+    assert r["output_tokens_per_s_ratio"] == 1.0
+    assert r["ttft_p50_diff_ms"] == pytest.approx(100.0) and r["itl_p99_diff_ms"] == pytest.approx(20.0)
+    assert ours["cpu_s_per_1k_output_tokens"] == {"engine": 2.0}  # median of 1, 3, 2 seconds per 1000 tokens
+
+
+def test_cpu_meter_attributes_a_childs_work_to_its_tree() -> None:
+    import subprocess
+    import sys
+    import time
+
+    from bench.cpu import CpuMeter
+
+    child = "x = 0\\nwhile True: x += 1"
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                               f"subprocess.Popen([sys.executable, '-c', '{child}']); time.sleep(30)"])
+    try:
+        time.sleep(0.5)
+        meter = CpuMeter({"svc": parent.pid})
+        time.sleep(1.0)
+        used = meter.since()
+        assert used["svc"] < 0.2  # the parent sleeps ...
+        assert sum(v for k, v in used.items() if k.startswith("svc:")) > 0.5  # ... its child burns CPU
+    finally:
+        subprocess.run(["pkill", "-P", str(parent.pid)])
+        parent.kill()
