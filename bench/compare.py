@@ -112,9 +112,12 @@ async def compare(settings: Settings, *, concurrencies: list[int], rounds: int, 
     runs: list[Run] = []
     try:
         report("starting vLLM's server and our worker + gateway (same engine arguments)")
-        for proc in procs:
-            proc.start()
-        await asyncio.gather(*(proc.wait() for proc in procs))
+        # One side at a time: an engine sizes its KV cache from the accelerator memory it sees free while it
+        # starts, and another engine loading beside it would skew that.
+        for side in sides:
+            for proc in side.procs:
+                proc.start()
+            await asyncio.gather(*(proc.wait() for proc in side.procs))
         for side in sides:
             await _warm(side, settings.model.served_name)
         per: dict[int, dict[str, list[dict[str, Any]]]] = {}

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 
 from runtime.settings import RedisSettings
 
 
 def make_redis(settings: RedisSettings) -> Redis:
-    return Redis.from_url(settings.url, decode_responses=True, health_check_interval=30)
+    # A burst beyond the pool waits for a free connection (up to pool_timeout_s) instead of failing: redis-py's
+    # default pool raises "Too many connections" past 100 concurrent commands, e.g. 400 streams authenticating.
+    pool = BlockingConnectionPool.from_url(settings.url, decode_responses=True, health_check_interval=30,
+                                           max_connections=settings.max_connections, timeout=settings.pool_timeout_s)
+    return Redis.from_pool(pool)  # owns the pool: aclose() disconnects it
 
 
 def key(settings: RedisSettings, *parts: str | int) -> str:

@@ -53,6 +53,8 @@ class CassandraSettings(BaseModel):
 class RedisSettings(BaseModel):
     url: str = "redis://127.0.0.1:16379/0"
     key_prefix: str = "kns:"
+    max_connections: int = 128
+    pool_timeout_s: float = 5.0
 
 
 class ModelSettings(BaseModel):

@@ -10,13 +10,22 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from cassandra import DriverException, RequestExecutionException
+from cassandra.cluster import NoHostAvailable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
+
+#: Overload or outage of the stores the gateway reads before accepting a request (keys, suspensions, limits).
+DEPENDENCY_ERRORS: tuple[type[Exception], ...] = (
+    RedisConnectionError, RedisTimeoutError, NoHostAvailable, RequestExecutionException, DriverException,
+)
 
 
 class ApiError(Exception):
@@ -113,6 +122,15 @@ def install(app: FastAPI) -> None:
     async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
         codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
         return ApiError(exc.status_code, str(exc.detail), code=codes.get(exc.status_code)).response()
+
+    async def _dependency_down(request: Request, exc: Exception) -> JSONResponse:
+        # Redis or Cassandra overloaded or unreachable: the request was not accepted (nothing produced), so the
+        # client may retry; a 503 says so, a 500 would not.
+        log.warning("dependency unavailable", extra={"path": request.url.path, "error": repr(exc)})
+        return unavailable("A backing service is unavailable; retry shortly.").response()
+
+    for dependency_error in DEPENDENCY_ERRORS:
+        app.add_exception_handler(dependency_error, _dependency_down)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
