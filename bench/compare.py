@@ -21,7 +21,7 @@ from typing import Any
 
 from bench.cpu import CpuMeter
 from bench.loadgen import Run, Target, plan, run_load
-from bench.servers import Side, our_side, vllm_side
+from bench.servers import Side, infra_pids, our_side, vllm_side
 from bench.workload import Shape, items
 from ops.stack.manager import StackManager
 from runtime.settings import REPO_ROOT, Settings
@@ -107,8 +107,7 @@ async def compare(settings: Settings, *, concurrencies: list[int], rounds: int, 
     theirs = vllm_side(settings, vllm_port)
     sides = [ours, theirs]
     procs = [p for side in sides for p in side.procs]
-    manager = StackManager(settings)
-    infra = {s.name: pid for s in manager.services if s.infra and (pid := manager.pid_file(s).live_pid())}
+    infra = infra_pids(settings)
     runs: list[Run] = []
     try:
         report("starting vLLM's server and our worker + gateway (same engine arguments)")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 import time
 import uuid
 from typing import Any
@@ -21,13 +20,10 @@ import httpx
 
 from bench.cpu import CpuMeter
 from bench.loadgen import Target, plan
-from bench.servers import Proc
+from bench.servers import infra_pids, pipeline
 from bench.sse_client import streams
 from bench.workload import Shape
-from ops.stack.manager import StackManager
-from producers.gateway.keys import ApiKeyRegistry
 from producers.relay.demux import Relay
-from runtime.cassandra_client import connect_async
 from runtime.kafka_clients import ensure_topics, make_admin, make_producer
 from runtime.settings import Settings
 from schemas.codec import codec_for
@@ -78,23 +74,11 @@ async def demux_capacity(settings: Settings, events: int, requests: int) -> dict
 async def stream_capacity(settings: Settings, levels: list[int], tokens: int, rate: float, ttft_limit_s: float,
                           itl_limit_s: float, report: Any) -> dict[str, Any]:
     namespace = f"bench-relay-{uuid.uuid4().hex[:6]}"
-    kafka = settings.kafka.model_copy(update={"namespace": namespace})
-    await ensure_topics(kafka, TOPICS.all())
-    cluster, session = await connect_async(settings.cassandra)
-    try:
-        registry = await ApiKeyRegistry.open(session, settings.cassandra.keyspace)
-        secret, _ = await registry.create(org_id="org-bench", tier="enterprise", name="bench-relay")
-    finally:
-        await asyncio.to_thread(cluster.shutdown)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "KNS_KAFKA__NAMESPACE": namespace, "KNS_SAFETY__PREFILTER": "false",
-           "KNS_GATEWAY__PORT": "8020", "KNS_GATEWAY__INSTANCE_ID": f"bench-{namespace}",
-           "KNS_WORKER__ADMIN_PORT": "8120", "KNS_WORKER__INSTANCE_ID": f"bench-{namespace}",
-           "KNS_ENGINE__KIND": "synthetic", "KNS_ENGINE__SYNTHETIC_TOKENS_PER_S": str(rate),
-           "KNS_OBSERVABILITY__LOG_LEVEL": "WARNING"}
-    procs = [Proc("relay-worker", [sys.executable, "-m", "ops.cli", "worker"], env, "http://127.0.0.1:8120/health"),
-             Proc("relay-gateway", [sys.executable, "-m", "ops.cli", "gateway"], env, "http://127.0.0.1:8020/health")]
-    manager = StackManager(settings)
-    infra = {sv.name: pid for sv in manager.services if sv.infra and (pid := manager.pid_file(sv).live_pid())}
+    secret, procs = await pipeline(settings, namespace=namespace, gateway_port=8020, worker_port=8120, prefix="relay",
+                                   extra_env={"KNS_ENGINE__KIND": "synthetic",
+                                              "KNS_ENGINE__SYNTHETIC_TOKENS_PER_S": str(rate),
+                                              "KNS_OBSERVABILITY__LOG_LEVEL": "WARNING"})
+    infra = infra_pids(settings)
     out: dict[str, Any] = {"tokens_per_stream": tokens, "tokens_per_s_per_stream": rate,
                            "limits": {"ttft_p99_s": ttft_limit_s, "itl_p99_s": itl_limit_s}, "levels": []}
     try:

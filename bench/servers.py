@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 
 from inference_workers.engine import engine_args
+from ops.stack.manager import StackManager
 from ops.stack.process import PidFile, spawn, stop, tail
 from producers.gateway.keys import ApiKeyRegistry
 from runtime.cassandra_client import connect_async
@@ -106,24 +107,39 @@ def vllm_side(settings: Settings, port: int) -> Side:
                 "vLLM's OpenAI server (1 API process + 1 engine-core process): " + " ".join(cmd[3:]))
 
 
-async def our_side(settings: Settings, gateway_port: int, worker_port: int, namespace: str) -> Side:
+async def pipeline(settings: Settings, *, namespace: str, gateway_port: int, worker_port: int, prefix: str,
+                   extra_env: dict[str, str] | None = None) -> tuple[str, list[Proc]]:
+    """One worker and one gateway of ours in a namespace of their own (fresh topics, a new bench API key), safety
+    pre-filter off. Returns the key's secret and the two processes (not started)."""
     kafka = settings.kafka.model_copy(update={"namespace": namespace})
     await ensure_topics(kafka, TOPICS.all())
     cluster, session = await connect_async(settings.cassandra)
     try:
         registry = await ApiKeyRegistry.open(session, settings.cassandra.keyspace)
-        secret, _ = await registry.create(org_id="org-bench", tier="enterprise", name="bench")
+        secret, _ = await registry.create(org_id="org-bench", tier="enterprise", name=prefix)
     finally:
         await asyncio.to_thread(cluster.shutdown)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "KNS_KAFKA__NAMESPACE": namespace,
            "KNS_SAFETY__PREFILTER": "false", "KNS_GATEWAY__PORT": str(gateway_port),
-           "KNS_GATEWAY__INSTANCE_ID": f"bench-gateway-{namespace}", "KNS_WORKER__ADMIN_PORT": str(worker_port),
-           "KNS_WORKER__INSTANCE_ID": f"bench-worker-{namespace}"}
-    worker = Proc("bench-worker", [sys.executable, "-m", "ops.cli", "worker"], env,
+           "KNS_GATEWAY__INSTANCE_ID": f"{prefix}-gateway-{namespace}", "KNS_WORKER__ADMIN_PORT": str(worker_port),
+           "KNS_WORKER__INSTANCE_ID": f"{prefix}-worker-{namespace}", **(extra_env or {})}
+    worker = Proc(f"{prefix}-worker", [sys.executable, "-m", "ops.cli", "worker"], env,
                   f"http://127.0.0.1:{worker_port}/health")
-    gateway = Proc("bench-gateway", [sys.executable, "-m", "ops.cli", "gateway"], env,
+    gateway = Proc(f"{prefix}-gateway", [sys.executable, "-m", "ops.cli", "gateway"], env,
                    f"http://127.0.0.1:{gateway_port}/health")
+    return secret, [worker, gateway]
+
+
+def infra_pids(settings: Settings) -> dict[str, int]:
+    """Kafka, Cassandra and Redis of the running stack, by name (for the CPU meters)."""
+    manager = StackManager(settings)
+    return {sv.name: pid for sv in manager.services if sv.infra and (pid := manager.pid_file(sv).live_pid())}
+
+
+async def our_side(settings: Settings, gateway_port: int, worker_port: int, namespace: str) -> Side:
+    secret, procs = await pipeline(settings, namespace=namespace, gateway_port=gateway_port,
+                                   worker_port=worker_port, prefix="bench")
     args = engine_args(settings.model, settings.engine)
-    return Side("ours", f"http://127.0.0.1:{gateway_port}/v1", secret, [worker, gateway],
+    return Side("ours", f"http://127.0.0.1:{gateway_port}/v1", secret, procs,
                 f"kns gateway + Kafka + worker (1 gateway process, 1 worker process + 1 engine-core process), "
                 f"namespace {namespace}, safety pre-filter off; engine {args}")
