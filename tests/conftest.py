@@ -26,9 +26,11 @@ from schemas.topics import TOPICS
 from tests.helpers import ServiceProcess
 
 SESSION = uuid.uuid4().hex[:8]
-GATEWAY_PORT = 18000
-WORKER_ADMIN_PORT = 18100
-PROCESSOR_PORTS = {"safety": 18201, "billing": 18202, "abuse": 18203}
+# Two test sessions on one machine (a developer's and a helper's) need their own ports: KNS_TEST_PORT_BASE.
+PORT_BASE = int(os.environ.get("KNS_TEST_PORT_BASE", "18000"))
+GATEWAY_PORT = PORT_BASE
+WORKER_ADMIN_PORT = PORT_BASE + 100
+PROCESSOR_PORTS = {"safety": PORT_BASE + 201, "billing": PORT_BASE + 202, "abuse": PORT_BASE + 203}
 
 # Set before anything builds settings: this process and every service it starts share them.
 TEST_ENV = {

@@ -20,7 +20,8 @@ from schemas.codec import EventCodec
 from schemas.errors import DecodeError
 from schemas.events import Event
 
-LOG_DIR = REPO_ROOT / ".local" / "test-logs"
+# One folder per test session port base: two sessions on one machine keep their own logs.
+LOG_DIR = REPO_ROOT / ".local" / "test-logs" / os.environ.get("KNS_TEST_PORT_BASE", "18000")
 
 
 @dataclass
