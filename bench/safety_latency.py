@@ -15,8 +15,7 @@ from typing import Any
 import openai
 
 from bench.common import percentiles
-from producers.gateway.keys import ApiKeyRegistry
-from runtime.cassandra_client import connect_async
+from producers.tenancy.admin import KeyCreate, open_admin
 from runtime.kafka_clients import all_partitions, make_consumer
 from runtime.settings import Settings
 from schemas.codec import codec_for
@@ -62,12 +61,9 @@ async def _timestamps(settings: Settings, spec: Any, since_ms: int, model: type,
 async def _keys(settings: Settings, n: int) -> list[str]:
     """Fresh keys for the bench: the turning streams are safety violations, and the abuse detector suspends a
     key after a few of them (as it should)."""
-    cluster, session = await connect_async(settings.cassandra)
-    try:
-        registry = await ApiKeyRegistry.open(session, settings.cassandra.keyspace)
-        return [(await registry.create(org_id="org-bench", tier="enterprise", name="bench"))[0] for _ in range(n)]
-    finally:
-        await asyncio.to_thread(cluster.shutdown)
+    async with open_admin(settings) as admin:
+        return [(await admin.issue_key("org-bench", "enterprise", KeyCreate(name="bench"))).secret
+                for _ in range(n)]
 
 
 async def run(settings: Settings, requests: int, concurrency: int, streams: int) -> dict[str, Any]:

@@ -1,27 +1,67 @@
-"""``kns billing``: reconcile the ledger against the usage topic, export usage, manage prices."""
+"""``kns billing``: reconcile the ledger against the usage topic, export usage, manage prices.
+
+Errors an operator can fix (a refused price, an unreachable Cassandra) are one line on stderr and exit 1.
+"""
 
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
+from collections.abc import AsyncIterator, Coroutine
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
-from decimal import Decimal
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
+from typing import Any, TypeVar
 
 import typer
+from cassandra.cluster import Session
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from billing.export import write
 from billing.ledger import Ledger, Totals, parse_instant
-from billing.prices import Price, PriceStore
-from billing.reconcile import Report, reconcile
+from billing.prices import Price, PriceLead, PriceRefused, PriceStore
+from billing.reconcile import ACTIONS, FINAL, Report, reconcile
 from billing.replay import UsageReplay, replay_usage
 from runtime.cassandra_client import connect_async
+from runtime.retry import TRANSIENT
 from runtime.settings import Settings, load_settings
 
+T = TypeVar("T")
 app = typer.Typer(help="Billing: reconcile, export, prices.", no_args_is_help=True)
 console = Console()
+err = Console(stderr=True, soft_wrap=True)
+
+
+def _fail(message: str) -> typer.Exit:
+    err.print(f"[bold red]error:[/bold red] {escape(message)}", highlight=False)
+    return typer.Exit(code=1)
+
+
+@asynccontextmanager
+async def _cassandra(settings: Settings) -> AsyncIterator[Session]:
+    cluster, session = await connect_async(settings.cassandra)
+    try:
+        yield session
+    finally:
+        await asyncio.to_thread(cluster.shutdown)
+
+
+async def _store(session: Session, settings: Settings) -> PriceStore:
+    lead = PriceLead(settings.processors.price_reload_s)
+    return await asyncio.to_thread(PriceStore, session, settings.cassandra.keyspace, lead)
+
+
+def _run(work: Coroutine[Any, Any, T]) -> T:
+    """Run a command's coroutine; Cassandra or Kafka out of reach is one line and exit 1, not a traceback."""
+    try:
+        return asyncio.run(work)
+    except TRANSIENT as exc:
+        raise _fail(f"a store did not answer ({type(exc).__name__}: {exc}); is the stack up? (kns stack status)"
+                    ) from exc
 
 
 def _range(start: str | None, end: str | None) -> tuple[datetime, datetime]:
@@ -62,38 +102,56 @@ def show(report: Report, limit: int = 20) -> None:
     console.print(f"{report.replayed} committed usage records, {report.duplicates} duplicates of an earlier record "
                   f"(billed once), {len(report.discrepancies)} discrepancies")
     for d in report.discrepancies[:limit]:
-        console.print(f"  [red]{d.kind}[/red] {d.request_id}: {d.detail}")
+        fix = f"[dim](--repair: {d.repair.action})[/dim]" if d.repair else "[dim](reported only)[/dim]"
+        console.print(f"  [red]{d.kind}[/red] {d.request_id}: {escape(d.detail)} {fix}")
     if len(report.discrepancies) > limit:
         console.print(f"  ... and {len(report.discrepancies) - limit} more")
+    kept = Counter(d.kind for d in report.not_repairable)
+    if kept:
+        console.print(f"{sum(kept.values())} not repairable ({', '.join(f'{n} {k}' for k, n in sorted(kept.items()))})"
+                      f": --repair never re-prices a billed row ({FINAL}) nor invents usage or prices; these need an "
+                      "operator")
+
+
+def show_repairs(report: Report) -> None:
+    actions = ", ".join(f"{report.repaired_by_action.get(a, 0)} {text}" for a, text in ACTIONS.items())
+    console.print(f"[yellow]repaired {report.repaired} rows[/yellow] ({actions})")
+    for d in report.skipped:
+        console.print(f"  [yellow]skipped[/yellow] {d.request_id}: its row changed during the repair "
+                      "(billed with another version meanwhile)")
 
 
 async def _reconcile(start: datetime, end: datetime, repair: bool, org: str | None) -> Report:
     settings = load_settings()
-    cluster, session = await connect_async(settings.cassandra)
-    try:
+    async with _cassandra(settings) as session:
         ledger = await Ledger.open(session, settings.cassandra.keyspace)
-        prices = await (await asyncio.to_thread(PriceStore, session, settings.cassandra.keyspace)).load()
+        prices = await (await _store(session, settings)).load()
         replay = await _replay(settings, start, end)
         report = await reconcile(ledger, prices, replay, start, end, repair=repair, org_id=org)
-        if repair and report.repaired:
+        if repair and (report.repaired or report.skipped):
             show(report)
-            console.print(f"[yellow]repaired {report.repaired} rows; checking again[/yellow]")
+            show_repairs(report)
+            console.print("checking again")
             report = await reconcile(ledger, prices, replay, start, end, repair=False, org_id=org)
+        elif repair:
+            console.print("nothing that --repair may change")
         return report
-    finally:
-        await asyncio.to_thread(cluster.shutdown)
 
 
 @app.command("reconcile")
 def reconcile_command(
     start: str | None = typer.Option(None, help="ISO 8601 or Unix seconds (default: end - 24 h)."),
     end: str | None = typer.Option(None, help="ISO 8601 or Unix seconds (default: now)."),
-    repair: bool = typer.Option(False, "--repair", help="Re-apply missing or wrong ledger rows (idempotent)."),
+    repair: bool = typer.Option(
+        False, "--repair", help="Bill requests missing from the ledger (at the price valid at their time), restore "
+        "rows whose usage disagrees with the committed usage (cost at the version that billed the row) and rewrite "
+        "views from their row. Never re-prices a billed row: rows billed with a version the price table no longer "
+        "applies are reported, not changed. Idempotent."),
     org: str | None = typer.Option(None, help="Only this organisation."),
 ) -> None:
     """Replay the usage topic for a range and diff it against the ledger; exit 1 on any discrepancy."""
     begin, finish = _range(start, end)
-    report = asyncio.run(_reconcile(begin, finish, repair, org))
+    report = _run(_reconcile(begin, finish, repair, org))
     show(report)
     raise typer.Exit(0 if report.clean else 1)
 
@@ -119,39 +177,50 @@ def prices_command() -> None:
 
     async def load() -> list[Price]:
         settings = load_settings()
-        cluster, session = await connect_async(settings.cassandra)
-        try:
-            return (await (await asyncio.to_thread(PriceStore, session, settings.cassandra.keyspace)).load()).all()
-        finally:
-            await asyncio.to_thread(cluster.shutdown)
+        async with _cassandra(settings) as session:
+            return (await (await _store(session, settings)).load()).all()
 
     table = Table(title="prices (USD per 1M tokens)")
     for column in ("model", "valid from", "version", "input", "cached input", "output"):
         table.add_column(column)
-    for p in sorted(asyncio.run(load()), key=lambda p: (p.model, p.valid_from)):
+    for p in sorted(_run(load()), key=lambda p: (p.model, p.valid_from)):
         table.add_row(p.model, p.valid_from.isoformat(), p.version, str(p.input_per_mtok),
                       str(p.cached_input_per_mtok), str(p.output_per_mtok))
     console.print(table)
 
 
+def _money(option: str, value: str) -> Decimal:
+    try:
+        return Decimal(value)
+    except InvalidOperation as exc:
+        raise typer.BadParameter(f"{option} must be a decimal (USD per 1M tokens), not {value!r}") from exc
+
+
 @app.command("set-price")
 def set_price(
-    model: str = typer.Option(...), version: str = typer.Option(...),
+    model: str = typer.Option(...), version: str = typer.Option(..., help="A label, unique per model."),
     input_per_mtok: str = typer.Option(..., "--input"), output_per_mtok: str = typer.Option(..., "--output"),
     cached_input_per_mtok: str = typer.Option(..., "--cached-input"),
-    valid_from: str = typer.Option(..., help="ISO 8601: requests from then on are billed at this price."),
+    valid_from: str = typer.Option(..., help="ISO 8601: requests from then on are billed at this price. At least "
+                                   "the minimum lead from now (3 min with the default 60 s price reload)."),
 ) -> None:
-    """Add a price version (prices are never edited: past requests keep the price they had)."""
+    """Add a price version. Versions are never edited (an existing model + valid_from is refused) and a new one
+    starts at least twice the processors' price reload interval (plus a margin) from now, so every billing
+    processor has it before it applies; only a stretch the model had no price for may be priced in the past."""
+    try:
+        start = parse_instant(valid_from)
+    except ValueError as exc:
+        raise typer.BadParameter(f"--valid-from is ISO 8601 or Unix seconds: {exc}") from exc
+    price = Price(model, start, version, _money("--input", input_per_mtok),
+                  _money("--cached-input", cached_input_per_mtok), _money("--output", output_per_mtok))
 
     async def add() -> None:
         settings = load_settings()
-        cluster, session = await connect_async(settings.cassandra)
-        try:
-            store = await asyncio.to_thread(PriceStore, session, settings.cassandra.keyspace)
-            await store.add(Price(model, parse_instant(valid_from), version, Decimal(input_per_mtok),
-                                  Decimal(cached_input_per_mtok), Decimal(output_per_mtok)))
-        finally:
-            await asyncio.to_thread(cluster.shutdown)
+        async with _cassandra(settings) as session:
+            await (await _store(session, settings)).add(price)
 
-    asyncio.run(add())
-    console.print(f"price {version} for {model} valid from {valid_from} added")
+    try:
+        _run(add())
+    except PriceRefused as exc:
+        raise _fail(str(exc)) from exc
+    console.print(f"price {price.describe()} added")

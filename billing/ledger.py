@@ -8,6 +8,10 @@ Every write here is idempotent, so the billing processor can run at-least-once a
 * ``dirty_hours`` marks the (org, hour) buckets to recompute; a mark is cleared with the write time it was read
   with, so a bucket marked again during its recomputation stays marked.
 * ``usage_hourly`` is recomputed from the ledger and overwritten, never incremented.
+
+A row records the price version that billed it: its label (``price_version``) and its key in the price table
+(``price_valid_from``; null on rows written before it was recorded). Nothing here re-prices a billed row:
+:meth:`Ledger.correct` (reconcile's repair) is conditional on the row's price version.
 """
 
 from __future__ import annotations
@@ -72,9 +76,13 @@ class LedgerRow:
     attempt: int
     requested_at: datetime
     finished_at: datetime
+    #: the billing version's key in the price table (with ``model``); None on rows billed before it was recorded
+    price_valid_from: datetime | None = None
 
     @classmethod
     def from_usage(cls, usage: UsageEvent, prices: PriceBook) -> LedgerRow:
+        """The row billing ``usage`` now: priced with the version valid at the request's time (raises UnknownPrice,
+        or PriceBookStale when the book cannot vouch for that time)."""
         price = prices.price_at(usage.model, usage.requested_at)
         return cls(
             request_id=usage.request_id, org_id=usage.org_id, key_id=usage.key_id, tier=usage.tier,
@@ -83,6 +91,7 @@ class LedgerRow:
             cost=price.cost(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens),
             price_version=price.version, finish_reason=usage.finish_reason, attempt=usage.attempt,
             requested_at=_ms(usage.requested_at), finished_at=_ms(usage.finished_at),
+            price_valid_from=_ms(price.valid_from),
         )
 
     @classmethod
@@ -90,6 +99,8 @@ class LedgerRow:
         values = {f.name: row[f.name] for f in fields(cls)}
         values["requested_at"] = utc(values["requested_at"])
         values["finished_at"] = utc(values["finished_at"])
+        if values["price_valid_from"] is not None:
+            values["price_valid_from"] = utc(values["price_valid_from"])
         return cls(**values)
 
     @property
@@ -102,6 +113,7 @@ class LedgerRow:
 
 
 _COLUMNS = [f.name for f in fields(LedgerRow)]
+_CORRECTED = [c for c in _COLUMNS if c not in ("request_id", "price_version")]
 _ORG_DAY_COLUMNS = ["org_id", "day", "requested_at", "request_id", "key_id", "model", "prompt_tokens",
                     "completion_tokens", "cached_tokens", "cost", "price_version", "finish_reason"]
 
@@ -129,9 +141,9 @@ class Ledger:
         placeholders = ", ".join("?" for _ in _COLUMNS)
         self._insert_first = prepare(
             f"INSERT INTO {ks}.ledger_by_request ({', '.join(_COLUMNS)}) VALUES ({placeholders}) IF NOT EXISTS")
-        self._overwrite = prepare(
-            f"UPDATE {ks}.ledger_by_request SET {', '.join(f'{c} = ?' for c in _COLUMNS[1:])} "
-            "WHERE request_id = ? IF EXISTS")
+        self._correct = prepare(
+            f"UPDATE {ks}.ledger_by_request SET {', '.join(f'{c} = ?' for c in _CORRECTED)} "
+            "WHERE request_id = ? IF price_version = ?")
         self._get = prepare(f"SELECT {', '.join(_COLUMNS)} FROM {ks}.ledger_by_request WHERE request_id = ?")
         self._get_many = prepare(f"SELECT {', '.join(_COLUMNS)} FROM {ks}.ledger_by_request WHERE request_id IN ?")
         self._upsert_org_day = prepare(
@@ -171,21 +183,21 @@ class Ledger:
         result = await execute(self._session, self._insert_first, [getattr(row, c) for c in _COLUMNS])
         applied = bool(result[0]["[applied]"])
         winner = row if applied else LedgerRow.from_row(result[0])
-        await self._write_views(winner)
+        await self.write_views(winner)
         return winner, applied
 
-    async def overwrite(self, row: LedgerRow, *, missing: bool = False) -> None:
-        """Reconcile's repair: make the ledger say exactly this. ``missing``: the row is known to be absent, so
-        one conditional insert does (a wrong row takes a conditional update)."""
-        applied = False
-        if not missing:
-            values = [getattr(row, c) for c in _COLUMNS[1:]] + [row.request_id]
-            applied = bool((await execute(self._session, self._overwrite, values))[0]["[applied]"])
-        if not applied:
-            await execute(self._session, self._insert_first, [getattr(row, c) for c in _COLUMNS])
-        await self._write_views(row)
+    async def correct(self, row: LedgerRow) -> bool:
+        """Reconcile's repair of a billed row: make it (and its views) say ``row``, on condition that it is still
+        billed with ``row.price_version`` — the version that billed a row is never changed here. Returns False
+        (nothing written) when the row is gone or was billed with another version."""
+        values = [getattr(row, c) for c in _CORRECTED] + [row.request_id, row.price_version]
+        if not (await execute(self._session, self._correct, values))[0]["[applied]"]:
+            return False
+        await self.write_views(row)
+        return True
 
-    async def _write_views(self, row: LedgerRow) -> None:
+    async def write_views(self, row: LedgerRow) -> None:
+        """Upsert the by-org/day view and mark the hour dirty: ``row`` must be the ``ledger_by_request`` row."""
         batch = BatchStatement(batch_type=BatchType.LOGGED)
         batch.add(self._upsert_org_day, [row.org_id, row.day, row.requested_at, row.request_id, row.key_id,
                                          row.model, row.prompt_tokens, row.completion_tokens, row.cached_tokens,

@@ -13,13 +13,14 @@ from fastapi.responses import JSONResponse
 from runtime.metrics import metrics_router
 
 
-def create_admin_app(health: Callable[[], bool], state: Callable[[], dict[str, Any]]) -> FastAPI:
+def create_admin_app(problems: Callable[[], list[str]], state: Callable[[], dict[str, Any]]) -> FastAPI:
     app = FastAPI(title="kns worker admin")
 
     @app.get("/health")
     async def _health() -> JSONResponse:
-        ok = health()
-        return JSONResponse({"status": "ok" if ok else "unhealthy"}, status_code=200 if ok else 503)
+        found = problems()
+        return JSONResponse({"status": "unhealthy" if found else "ok", "problems": found},
+                            status_code=503 if found else 200)
 
     @app.get("/state")
     async def _state() -> JSONResponse:

@@ -13,9 +13,11 @@ from collections.abc import Callable
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord
 
+from runtime.dead_letters import DeadLetters
 from runtime.kafka_clients import all_partitions, consume, make_consumer
 from runtime.settings import KafkaSettings
 from schemas.codec import codec_for
+from schemas.errors import DecodeError
 from schemas.events import ControlEvent
 
 log = logging.getLogger(__name__)
@@ -40,11 +42,12 @@ class RecentControls:
 
 class ControlListener:
     def __init__(self, kafka: KafkaSettings, topic: str, lookback_s: float,
-                 on_event: Callable[[ControlEvent], None]) -> None:
+                 on_event: Callable[[ControlEvent], None], dead_letters: DeadLetters | None = None) -> None:
         self._kafka = kafka
         self._topic = topic
         self._lookback_s = lookback_s
         self._on_event = on_event
+        self._dead_letters = dead_letters
         self._consumer: AIOKafkaConsumer | None = None
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -64,8 +67,14 @@ class ControlListener:
                 consumer.seek(tp, hit.offset)
         self._consumer = consumer
         self._task = asyncio.create_task(
-            consume(consumer, codec_for(ControlEvent), self._handle, stop=self._stop), name="control-listener"
+            consume(consumer, codec_for(ControlEvent), self._handle, stop=self._stop,
+                    undecodable=self._undecodable if self._dead_letters else None),
+            name="control-listener",
         )
+
+    async def _undecodable(self, record: ConsumerRecord[bytes, bytes], exc: DecodeError) -> None:
+        assert self._dead_letters is not None
+        await self._dead_letters.send(record, str(exc))
 
     async def _handle(self, event: ControlEvent, _record: ConsumerRecord[bytes, bytes]) -> None:
         self._on_event(event)

@@ -1,12 +1,19 @@
-"""The worker's outputs: token deltas as they come, and one transaction per batch of finished requests.
+"""The worker's outputs: token deltas as they come, and one transaction per partition for finished requests.
 
 Deltas go through an idempotent producer straight to the requesting gateway's reply partition — a Kafka
 transaction per token would cost milliseconds each. What must be exactly-once goes through the
-:class:`Finalizer`: for each finished request, its final token event and its usage event, together with the
-request topic's committable offsets, are produced in one transaction. A crash before the commit leaves
-neither the usage nor the offset, so the request is redelivered and finalized again; after the commit the
-claim is marked done and a redelivery is skipped. The final event is produced only after the request's last
-delta is acknowledged, so it lands behind every delta in the partition.
+:class:`Finalizer`: a finished request's final token event and its usage event, together with its request
+partition's committable offset (and state, see ``offsets.py``), are produced in one transaction by that
+partition's own producer (``transactions.py``), so an owner that lost the partition is fenced. A crash before
+the commit leaves neither usage nor offset: the request is taken over again. The final event is produced only
+after the request's last delta is acknowledged, so it lands behind every delta in the reply partition.
+
+Failures, by kind: a fenced producer means the partition moved (its requests are the new owner's now, not an
+error); a producer left unusable otherwise stops the worker (re-initialising its transactional id could fence the
+partition's rightful owner); transient errors are retried with backoff, and the worker stops (non-zero, its
+supervisor restarts it, its partitions move) when they last longer than ``give_up_s``; an error retrying cannot fix
+is isolated to the one request that causes it, whose final is then recorded without its text (nor its tokens'
+cost), so one bad record never blocks the others.
 """
 
 from __future__ import annotations
@@ -14,23 +21,46 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaProducer, TopicPartition
-from aiokafka.errors import KafkaError, ProducerFenced
+from aiokafka.errors import (
+    IllegalOperation,
+    KafkaConnectionError,
+    KafkaError,
+    KafkaTimeoutError,
+    NodeNotReadyError,
+    ProducerFenced,
+    RequestTimedOutError,
+)
+from aiokafka.structs import OffsetAndMetadata
 from redis.exceptions import RedisError
 
-from inference_workers.claims import RequestClaims
 from inference_workers.offsets import OffsetTracker
-from runtime.metrics import WORKER_TXN, WORKER_TXN_BATCH
+from inference_workers.protocol import ClaimsT
+from inference_workers.transactions import PartitionTransactions
+from runtime.faults import NO_FAULTS, Faults
+from runtime.metrics import WORKER_FINALIZE_FAILURES, WORKER_TXN, WORKER_TXN_BATCH
 from runtime.tracing import to_headers
 from schemas.codec import codec_for
 from schemas.errors import FatalError
-from schemas.events import TokenEvent, UsageEvent
+from schemas.events import ErrorCode, TokenEvent, UsageEvent
 
 log = logging.getLogger(__name__)
 
 Delivery = asyncio.Future  # the broker's ack of one produced record
+PartitionLostCallback = Callable[[TopicPartition], Coroutine[object, object, None]]
+
+
+def transient(exc: BaseException) -> bool:
+    """Retrying can succeed (a broker restarting, a leader moving, a timeout)."""
+    return bool(getattr(exc, "retriable", False)) or isinstance(
+        exc, KafkaTimeoutError | KafkaConnectionError | NodeNotReadyError | RequestTimedOutError)
+
+
+class PartitionLost(Exception):
+    """The request partition moved to another worker before this commit: its new owner finishes the request."""
 
 
 class TokenSink:
@@ -42,7 +72,7 @@ class TokenSink:
         self._codec = codec_for(TokenEvent)
 
     async def emit(self, event: TokenEvent, partition: int, traceparent: str | None) -> Delivery:
-        """Enqueue one event; returns its delivery future (awaited only before the request's final event)."""
+        """Enqueue one event; returns its delivery future (the caller watches it: a lost delta ends the stream)."""
         return await self._producer.send(
             self._topic, value=self._codec.encode(event), key=event.request_id.encode(), partition=partition,
             headers=to_headers(traceparent) if traceparent else None,
@@ -51,10 +81,10 @@ class TokenSink:
 
 @dataclass
 class Finished:
-    """A request ready to be committed."""
+    """A request ready to be committed. ``usage`` is None for one that is not billed (never started)."""
 
     final: TokenEvent
-    usage: UsageEvent
+    usage: UsageEvent | None
     reply_partition: int
     source: TopicPartition
     offset: int
@@ -62,61 +92,99 @@ class Finished:
     last_delivery: Delivery | None
     committed: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
+    def without_text(self, reason: str) -> Finished:
+        """The same outcome, recorded without its text: what remains when the full final cannot be written. The
+        tokens it carried never reach the client, so they are not billed either."""
+        dropped = len(self.final.token_ids)
+        usage = self.final.usage
+        if usage is not None:
+            usage = usage.model_copy(update={"completion_tokens": usage.completion_tokens - dropped})
+        final = self.final.model_copy(update={"token_ids": [], "text": "", "finish_reason": "error", "usage": usage,
+                                              "error": reason, "error_code": ErrorCode.GENERATION_FAILED.value})
+        record = self.usage
+        if record is not None:
+            record = record.model_copy(update={"completion_tokens": record.completion_tokens - dropped,
+                                               "finish_reason": "error"})
+        return Finished(final, record, self.reply_partition, self.source, self.offset, self.traceparent, None,
+                        self.committed)
 
-class _OffsetsOnly:
-    """Queue marker: commit offsets that moved without a finished request (skipped duplicates)."""
 
-
-_OFFSETS_ONLY = _OffsetsOnly()
 _STOP = object()
 
 
 class Finalizer:
-    def __init__(self, producer: AIOKafkaProducer, *, token_topic: str, usage_topic: str, group_id: str,
-                 offsets: OffsetTracker, claims: RequestClaims, batch_max: int) -> None:
-        self._producer = producer
+    def __init__(self, transactions: PartitionTransactions, *, token_topic: str, usage_topic: str, group_id: str,
+                 offsets: OffsetTracker, claims: ClaimsT, batch_max: int, give_up_s: float,
+                 on_partition_lost: PartitionLostCallback | None = None, faults: Faults = NO_FAULTS) -> None:
+        self._transactions = transactions
         self._token_topic = token_topic
         self._usage_topic = usage_topic
         self._group_id = group_id
         self._offsets = offsets
         self._claims = claims
         self._batch_max = batch_max
+        self._give_up_s = give_up_s
+        self._on_partition_lost = on_partition_lost
+        self._faults = faults
         self._tokens = codec_for(TokenEvent)
         self._usage = codec_for(UsageEvent)
         self._queue: asyncio.Queue[object] = asyncio.Queue()
-        self._offsets_pending = False
+        #: partitions whose offsets moved without a finished request (skipped records)
+        self._offsets_due: set[TopicPartition] = set()
+        self._stalled_since: float | None = None
+        self._lost_tasks: set[asyncio.Task[None]] = set()
+        self._exited = False
+
+    def set_partition_lost(self, callback: PartitionLostCallback) -> None:
+        self._on_partition_lost = callback
 
     async def finish(self, item: Finished) -> None:
-        """Queue a finished request and wait until its transaction has committed."""
+        """Queue a finished request and wait until its transaction has committed (raises PartitionLost)."""
         self._queue.put_nowait(item)
         await asyncio.shield(item.committed)
 
-    def commit_offsets_soon(self) -> None:
-        if not self._offsets_pending:
-            self._offsets_pending = True
-            self._queue.put_nowait(_OFFSETS_ONLY)
+    def commit_offsets_soon(self, tp: TopicPartition) -> None:
+        if not self._offsets_due:
+            self._queue.put_nowait(None)  # wake the loop
+        self._offsets_due.add(tp)
 
-    async def flush(self) -> None:
-        """Return once everything queued so far is committed (rebalance, shutdown)."""
-        await self._queue.join()
+    async def flush(self, timeout_s: float | None = None) -> None:
+        """Return once everything queued so far is committed or has failed (rebalance, shutdown)."""
+        try:
+            await asyncio.wait_for(self._queue.join(), timeout_s)
+        except TimeoutError:
+            log.warning("finalizer flush timed out", extra={"timeout_s": timeout_s})
 
     async def stop(self) -> None:
+        if self._exited:
+            return  # the loop died (its error stops the worker): nobody would take the stop marker
         self._queue.put_nowait(_STOP)
         await self._queue.join()
 
+    def stalled_for(self) -> float:
+        """Seconds the finalizer has been retrying without a commit (0: not stalled): unhealthy when long."""
+        return 0.0 if self._stalled_since is None else time.monotonic() - self._stalled_since
+
     async def run(self) -> None:
-        """The one commit loop. NOTE: it owns every transaction of this worker's producer."""
+        """The one commit loop. NOTE: it owns every transaction of every partition producer of this worker."""
+        try:
+            await self._loop()
+        finally:
+            self._exited = True
+
+    async def _loop(self) -> None:
         while True:
             # 1. Take what is queued (at least one item), up to a batch.
             items = [await self._queue.get()]
             while len(items) < self._batch_max and not self._queue.empty():
                 items.append(self._queue.get_nowait())
-            stop = any(i is _STOP for i in items)
             batch = [i for i in items if isinstance(i, Finished)]
-            self._offsets_pending = False
-            # 2. Commit them, retrying transient failures.
+            partitions = {i.source for i in batch} | self._offsets_due
+            self._offsets_due = set()
+            # 2. One transaction per request partition, all partitions at once.
             try:
-                await self._commit_with_retry(batch)
+                await asyncio.gather(*(self._commit_partition(tp, [i for i in batch if i.source == tp])
+                                       for tp in sorted(partitions)))
             except BaseException as exc:
                 for item in batch:
                     if not item.committed.done():
@@ -125,56 +193,121 @@ class Finalizer:
             finally:
                 for _ in items:
                     self._queue.task_done()
-            if stop:
+            if any(i is _STOP for i in items):
                 return
 
-    async def _commit_with_retry(self, batch: list[Finished]) -> None:
+    async def _commit_partition(self, tp: TopicPartition, items: list[Finished]) -> None:
         delay = 0.1
+        isolated = False
         while True:
+            producer = self._transactions.producer(tp)
+            if producer is None:
+                return _fail(items, PartitionLost(f"partition {tp.partition} is no longer this worker's"))
             try:
-                await self._commit(batch)
-                return
-            except ProducerFenced as exc:
-                raise FatalError("another worker with this transactional id took over (fenced)") from exc
+                await self._commit(producer, tp, items)
+            except ProducerFenced:
+                log.warning("fenced: partition moved to another worker", extra={"partition": tp.partition})
+                _fail(items, PartitionLost(f"partition {tp.partition} moved to another worker"))
+                if self._on_partition_lost is not None:
+                    # A task: the handler stops this partition's requests, which may wait on this very loop.
+                    task = asyncio.create_task(self._on_partition_lost(tp), name=f"partition-lost-{tp.partition}")
+                    self._lost_tasks.add(task)
+                    task.add_done_callback(self._lost_tasks.discard)
+                return None
             except KafkaError as exc:
-                log.warning("finalize transaction failed; retrying", extra={"reason": repr(exc), "batch": len(batch)})
+                if producer._txn_manager.is_fatal_error():  # aiokafka has no public check for it
+                    # Not a fencing this worker can act on, and re-initialising the id could fence the partition's
+                    # rightful owner: stop, be restarted, rejoin the group cleanly.
+                    raise FatalError(f"the producer of partition {tp.partition} is unusable: {exc!r}") from exc
+                if not transient(exc):
+                    WORKER_FINALIZE_FAILURES.labels(kind="permanent").inc()
+                    if len(items) > 1 and not isolated:
+                        # Find the one that cannot be written; the others commit.
+                        for item in items:
+                            await self._commit_partition(tp, [item])
+                        return None
+                    if items and not isolated:
+                        isolated = True
+                        log.error("a final cannot be written; recording it without its text",
+                                  extra={"request_id": items[0].final.request_id, "reason": repr(exc)})
+                        items = [items[0].without_text(f"the final event could not be written: {exc!r}")]
+                        continue
+                    raise FatalError(f"cannot commit on partition {tp.partition}: {exc!r}") from exc
+                WORKER_FINALIZE_FAILURES.labels(kind="transient").inc()
+                self._stalled_since = self._stalled_since or time.monotonic()
+                if self.stalled_for() > self._give_up_s:
+                    raise FatalError(f"no commit succeeded for {self._give_up_s:.0f} s: {exc!r}") from exc
+                log.warning("finalize transaction failed; retrying", extra={"reason": repr(exc), "batch": len(items),
+                                                                            "partition": tp.partition})
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
+                continue
+            self._stalled_since = None
+            await self._committed(items)
+            return None
 
-    async def _commit(self, batch: list[Finished]) -> None:
-        if not batch and not self._offsets.committable():
+    async def _commit(self, producer: AIOKafkaProducer, tp: TopicPartition, items: list[Finished]) -> None:
+        if not items and not self._offsets.committable([tp]):
             return
         # Deltas first: the final event must land behind them in the reply partition.
-        for item in batch:
+        for item in items:
             if item.last_delivery is not None:
-                try:
-                    await item.last_delivery
-                except KafkaError:
-                    log.exception("a token delta was not delivered", extra={"request_id": item.final.request_id})
+                await asyncio.gather(item.last_delivery, return_exceptions=True)  # a failure was handled already
         started = time.perf_counter()
-        async with self._producer.transaction():
-            for item in batch:
-                headers = to_headers(item.traceparent) if item.traceparent else None
-                key = item.final.request_id.encode()
-                await self._producer.send(self._token_topic, value=self._tokens.encode(item.final), key=key,
-                                          partition=item.reply_partition, headers=headers)
-                await self._producer.send(self._usage_topic, value=self._usage.encode(item.usage), key=key,
-                                          headers=headers)
-                self._offsets.done(item.source, item.offset)
-            offsets = self._offsets.committable()
-            if offsets:
-                await self._producer.send_offsets_to_transaction(offsets, self._group_id)
+        try:
+            offsets = await self._write(producer, items, tp)
+        except IllegalOperation as exc:
+            # The sender hit the real failure (a fencing, usually) while this coroutine was between sends: aiokafka
+            # records it on the transaction and refuses the next send with IllegalOperation. Raise what happened.
+            raise (_recorded_failure(producer) or FatalError(f"transaction refused: {exc!r}")) from exc
         # NOTE: committed. Only now is a redelivery of these requests a duplicate.
         self._offsets.committed(offsets)
         WORKER_TXN.observe(time.perf_counter() - started)
-        if batch:
-            WORKER_TXN_BATCH.observe(len(batch))
+        if items:
+            WORKER_TXN_BATCH.observe(len(items))
+
+    async def _write(self, producer: AIOKafkaProducer, items: list[Finished], tp: TopicPartition
+                     ) -> dict[TopicPartition, OffsetAndMetadata]:
+        """One transaction: the finals, their usage, the partition's offset and state. Returns what it committed."""
+        async with producer.transaction():
+            for item in items:
+                headers = to_headers(item.traceparent) if item.traceparent else None
+                key = item.final.request_id.encode()
+                await producer.send(self._token_topic, value=self._tokens.encode(item.final), key=key,
+                                    partition=item.reply_partition, headers=headers)
+                if item.usage is not None:
+                    await producer.send(self._usage_topic, value=self._usage.encode(item.usage), key=key,
+                                        headers=headers)
+                self._offsets.done(item.source, item.offset)
+            offsets = self._offsets.committable([tp])
+            if offsets:
+                await producer.send_offsets_to_transaction(offsets, self._group_id)
+            if items and self._faults.enabled:
+                await producer.flush()  # the finals are on the broker, uncommitted: what a crash here leaves
+                self._faults.hit("finalize.before_commit")
+        return offsets
+
+    async def _committed(self, items: list[Finished]) -> None:
+        if items:
             try:
-                await self._claims.mark_done([item.final.request_id for item in batch])
-            except RedisError:
-                # A redelivery may then generate again; the usage ledger is keyed by request id, so billing
-                # stays exact. Logged, not fatal.
-                log.exception("could not mark requests done", extra={"batch": len(batch)})
-        for item in batch:
+                await self._claims.mark_done([item.final.request_id for item in items])
+            except (RedisError, OSError):
+                # The commit's offset state says the same (offsets.py); the claim only saves a lookup. Logged.
+                log.warning("could not mark requests done in their claims", extra={"batch": len(items)})
+        for item in items:
             if not item.committed.done():
                 item.committed.set_result(None)
+
+
+def _recorded_failure(producer: AIOKafkaProducer) -> BaseException | None:
+    """The error aiokafka's transaction manager recorded for the current transaction (None: none)."""
+    waiter = producer._txn_manager.wait_for_transaction_end()
+    if waiter.done() and not waiter.cancelled():
+        return waiter.exception()
+    return None
+
+
+def _fail(items: list[Finished], exc: Exception) -> None:
+    for item in items:
+        if not item.committed.done():
+            item.committed.set_exception(exc)

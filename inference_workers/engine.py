@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from inference_workers.protocol import EngineDeadError, EngineDelta
@@ -100,7 +100,7 @@ class VllmEngine:
         )
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
-                       ) -> AsyncIterator[EngineDelta]:
+                       ) -> AsyncGenerator[EngineDelta, None]:
         from vllm.inputs import TokensPrompt
         from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDead
 

@@ -1,53 +1,80 @@
 """Admission and generation: from a request record to token events and a finished request.
 
 The consumer loop (``runtime.kafka_clients.consume``) asks :meth:`Intake.capacity` before each fetch, so the
-worker never holds more requests than the engine batches; each admitted request runs in its own task around
-``engine.generate()``. A task ends in one of three ways:
+worker never holds more requests than the engine batches, and :meth:`Intake.accepts` before each record, so
+nothing is admitted from a partition while a rebalance settles it. Admission and the rebalance listener take
+:attr:`Intake.admission` in turn: a revocation never interleaves with a record being admitted.
+
+Each admitted request runs in its own task around ``engine.generate()``. A request some earlier attempt
+started (its claim says so, or the previous owner's commit listed it as open) is taken over: the task first
+reads what it emitted (``prefix.py``) and continues from there (``resume.py``). A task ends in one of three ways:
 
 * finished by the engine (stop, length, error): its final event and usage are committed by the Finalizer;
-* aborted by a control event (cancel → "cancelled", halt → "content_filter"): same, with the tokens so far;
-* aborted because its partition was revoked or the worker is stopping: nothing is committed, Kafka
-  redelivers the request and it is generated again with ``attempt + 1``.
+* aborted by a cancel, a halt, an unattended stream (its gateway is gone) or a lost delta: same, with what was
+  emitted so far;
+* aborted because its partition moved or the worker is stopping: nothing is committed, the partition's next
+  owner takes it over.
+
+A request whose queue deadline passed before it started is not generated and not billed: its client gets
+``queue_deadline_exceeded``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Callable, Coroutine, Iterable
+from dataclasses import dataclass, field
 from datetime import datetime
+from functools import partial
 
 from aiokafka import ConsumerRecord, TopicPartition
 from aiokafka.errors import KafkaError
+from redis.exceptions import RedisError
 
-from inference_workers.claims import ClaimVerdict, RequestClaims
+from inference_workers.claims import ClaimVerdict
 from inference_workers.control import RecentControls
-from inference_workers.emitter import Delivery, Finalizer, Finished, TokenSink
-from inference_workers.offsets import OffsetTracker
-from inference_workers.protocol import EngineClient, EngineDeadError
+from inference_workers.emitter import Delivery, Finished, PartitionLost
+from inference_workers.offsets import OffsetTracker, Taken
+from inference_workers.protocol import (
+    ClaimsT,
+    EngineClient,
+    EngineDeadError,
+    EngineDelta,
+    FinalizerT,
+    PrefixReaderT,
+    TokenSinkT,
+)
+from inference_workers.resume import NOTHING_EMITTED, Diverged, EmittedPrefix, ReplayFilter, plan
+from runtime.dead_letters import DeadLetters
 from runtime.logs import request_scope
 from runtime.metrics import (
     KAFKA_HOP,
     WORKER_ABORTED,
     WORKER_CONSUMED,
+    WORKER_DEFERRED,
     WORKER_FINISHED,
     WORKER_IN_FLIGHT,
     WORKER_SKIPPED,
+    WORKER_TAKEOVERS,
     WORKER_TOKENS_OUT,
     WORKER_TTFT,
 )
 from runtime.tracing import child_of, from_headers
+from schemas.errors import DecodeError, FatalError, RetryLater
 from schemas.events import (
     ChatRequest,
     ControlAction,
     ControlEvent,
+    ErrorCode,
     TokenEvent,
     TokenUsage,
     UsageEvent,
     utcnow,
 )
+from schemas.headers import reply_address
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +82,13 @@ log = logging.getLogger(__name__)
 ABORT_OUTCOMES: dict[str, str | None] = {
     "cancel": "cancelled",
     "halt": "content_filter",
+    "unattended": "cancelled",
+    "delivery": "error",
     "revoked": None,
     "shutdown": None,
 }
+#: Redis and socket failures while claiming: the record waits, nothing is skipped
+CLAIM_ERRORS = (RedisError, OSError, TimeoutError)
 
 
 def _now_us() -> int:
@@ -73,31 +104,96 @@ class Job:
     traceparent: str | None
     admitted_at: float
     started_at: datetime
+    #: an earlier attempt may have emitted tokens: read them and continue
+    takeover: bool = False
     task: asyncio.Task[None] | None = None
+    #: completion tokens the client has (or will have) so far, earlier attempts included
     tokens: int = 0
     abort_cause: str | None = None
+    #: completion tokens before the first delta the broker did not take (a lost delta ends the stream there)
+    undelivered_from: int | None = None
+    prefix: EmittedPrefix = NOTHING_EMITTED
+    #: the prompt was processed (by this attempt's engine, or an earlier attempt's): it is billed
+    ran: bool = False
+    #: the next event's seq in this attempt, and the broker's acks still awaited
+    seq: int = 0
+    last_delivery: Delivery | None = None
+    in_flight: set[Delivery] = field(default_factory=set)
+    #: what the client is known to have when it stops receiving: a gateway's cancel says how many tokens it
+    #: delivered; a gateway found gone had at most what was emitted when it was last seen alive
+    received_cap: int | None = None
+    attended_tokens: int = 0
+    #: generation is over and its outcome being committed: aborting it now would only lose the commit
+    finalizing: bool = False
 
     def describe(self) -> dict[str, object]:
         return {"request_id": self.request.request_id, "attempt": self.attempt, "tokens": self.tokens,
                 "max_tokens": self.request.sampling.max_tokens, "partition": self.source.partition,
-                "offset": self.offset, "aborting": self.abort_cause}
+                "offset": self.offset, "aborting": self.abort_cause, "takeover": self.takeover,
+                "gateway": self.request.reply.gateway_id}
+
+
+@dataclass
+class Outcome:
+    """How a generation ended, before it is committed."""
+
+    finish_reason: str
+    final_ids: list[int]
+    final_text: str
+    error: str | None = None
+    error_code: str | None = None
+    cached_tokens: int = 0
 
 
 class Intake:
-    def __init__(self, *, engine: EngineClient, worker_id: str, claims: RequestClaims, sink: TokenSink,
-                 finalizer: Finalizer, offsets: OffsetTracker, max_in_flight: int) -> None:
+    def __init__(self, *, engine: EngineClient, worker_id: str, claims: ClaimsT, sink: TokenSinkT,
+                 finalizer: FinalizerT, offsets: OffsetTracker, prefix: PrefixReaderT, max_in_flight: int,
+                 dead_letters: DeadLetters | None = None, retry_delay_s: float = 1.0,
+                 give_up_s: float = 60.0) -> None:
         self._engine = engine
         self._worker_id = worker_id
         self._claims = claims
         self._sink = sink
         self._finalizer = finalizer
         self._offsets = offsets
+        self._prefix = prefix
         self._max = max_in_flight
+        self._dead_letters = dead_letters
+        self._retry_delay_s = retry_delay_s
+        self._give_up_s = give_up_s
         self.jobs: dict[str, Job] = {}
         self._controls = RecentControls()
+        #: partitions records may be admitted from (owned, and not being rebalanced), with the consumer-group
+        #: generation that assigned them: the attempt number of every request admitted from there
+        self._active: dict[TopicPartition, int] = {}
+        #: called with a partition this worker turns out to have lost (a newer attempt holds one of its requests)
+        self.on_stale: Callable[[TopicPartition], Coroutine[object, object, None]] | None = None
+        #: NOTE: held while a record is admitted and while the rebalance listener changes ownership
+        self.admission = asyncio.Lock()
         #: set whenever a job ends: wakes the paused consumer loop
         self.room_freed = asyncio.Event()
         self.fatal: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        #: a store admission needs is failing (claims in Redis): reported by /health
+        self.degraded: str | None = None
+        self._background: set[asyncio.Task[None]] = set()
+
+    # --- ownership (called by the rebalance listener, under ``admission``) ----------------------------
+
+    def accepts(self, tp: TopicPartition) -> bool:
+        return tp in self._active
+
+    def activate(self, partitions: Iterable[TopicPartition], generation: int) -> None:
+        for tp in partitions:
+            self._active[tp] = generation
+
+    def suspend(self, partitions: Iterable[TopicPartition]) -> None:
+        for tp in partitions:
+            self._active.pop(tp, None)
+
+    def fail(self, exc: BaseException) -> None:
+        """The worker cannot go on (the rebalance listener could not take its partitions over)."""
+        if not self.fatal.done():
+            self.fatal.set_exception(exc)
 
     # --- admission ------------------------------------------------------------------------------------
 
@@ -106,57 +202,139 @@ class Intake:
 
     async def handle(self, request: ChatRequest, record: ConsumerRecord[bytes, bytes]) -> None:
         """Called by the consumer loop for each request record, in partition order."""
-        WORKER_CONSUMED.inc()
         tp = TopicPartition(record.topic, record.partition)
-        self._offsets.taken(tp, record.offset)
-        if record.timestamp:
-            KAFKA_HOP.labels(hop="gateway_to_worker").observe(max(0.0, time.time() - record.timestamp / 1000))
-        with request_scope(request.request_id):
-            if request.request_id in self.jobs:
-                # Another record of a request generating here now: a duplicate (a fetched-again record of a
-                # running request cannot occur: a rebalance aborts running requests first).
-                return self._skip(tp, record.offset, "duplicate")
+        async with self.admission:
+            if tp not in self._active:
+                return None  # being rebalanced: the listener seeks the partition back to where it resumes
+            taken = self._offsets.classify(tp, record.offset)
+            if taken in (Taken.SEEN, Taken.NOT_OURS):
+                return None  # a re-fetch of a record already handled here
+            WORKER_CONSUMED.inc()
+            if record.timestamp:
+                KAFKA_HOP.labels(hop="gateway_to_worker").observe(max(0.0, time.time() - record.timestamp / 1000))
+            with request_scope(request.request_id):
+                if taken is Taken.FINISHED:
+                    return self._skip(tp, record.offset, "finished_before")
+                if request.request_id in self.jobs:
+                    return self._skip(tp, record.offset, "duplicate")
+                return await self._admit(request, record, tp)
+
+    async def _admit(self, request: ChatRequest, record: ConsumerRecord[bytes, bytes], tp: TopicPartition) -> None:
+        attempt = self._active[tp]
+        try:
             claim = await self._claims.claim(request.request_id, f"{record.topic}:{record.partition}:{record.offset}",
-                                             org_id=request.org_id, key_id=request.key_id)
-            if claim.verdict is not ClaimVerdict.START:
-                return self._skip(tp, record.offset, claim.verdict.value)
-            job = Job(request, tp, record.offset, claim.attempt, child_of(from_headers(record.headers)),
-                      time.perf_counter(), utcnow())
-            self.jobs[request.request_id] = job
-            WORKER_IN_FLIGHT.set(len(self.jobs))
-            early = self._controls.get(request.request_id)
-            if early is not None:
-                # Cancelled while it waited in the backlog: commit it as such, the engine never sees it.
-                job.abort_cause = _cause(early)
-            job.task = asyncio.create_task(self._run(job), name=f"generate-{request.request_id}")
-            log.info("request admitted", extra={"attempt": claim.attempt, "partition": tp.partition,
-                                                "offset": record.offset})
+                                             attempt, org_id=request.org_id, key_id=request.key_id)
+        except CLAIM_ERRORS as exc:
+            WORKER_DEFERRED.labels(reason="claims_unavailable").inc()
+            self.degraded = f"request claims unavailable (Redis): {exc!r}"
+            raise RetryLater(self.degraded, self._retry_delay_s) from exc
+        self.degraded = None
+        if claim.verdict is ClaimVerdict.STALE:
+            return self._stale(tp, f"attempt {claim.previous} of {request.request_id} outranks ours ({attempt})")
+        if claim.verdict is not ClaimVerdict.START:
+            return self._skip(tp, record.offset, claim.verdict.value)
+        self._offsets.taken(tp, record.offset)
+        job = Job(request, tp, record.offset, attempt, child_of(from_headers(record.headers)),
+                  time.perf_counter(), utcnow())
+        job.takeover = claim.previous > 0 or self._offsets.inherited(tp, record.offset)
+        early = self._controls.get(request.request_id)
+        if early is not None:
+            # Cancelled while it waited in the backlog: commit it as such, the engine never sees it.
+            job.abort_cause = _cause(early)
+            job.received_cap = early.delivered_tokens
+        self.jobs[request.request_id] = job
+        WORKER_IN_FLIGHT.set(len(self.jobs))
+        job.task = asyncio.create_task(self._run(job), name=f"generate-{request.request_id}")
+        log.info("request admitted", extra={"attempt": attempt, "partition": tp.partition,
+                                            "offset": record.offset, "takeover": job.takeover})
         return None
+
+    def _stale(self, tp: TopicPartition, why: str) -> None:
+        """A newer owner holds this partition (this worker missed a rebalance): admit nothing more from it and
+        let the listener drop it; the group tells this worker what it owns at its next heartbeat."""
+        WORKER_SKIPPED.labels(reason="stale_owner").inc()
+        log.warning("a newer owner holds this partition", extra={"partition": tp.partition, "why": why})
+        self.suspend([tp])
+        if self.on_stale is not None:
+            self._spawn(self.on_stale(tp))
 
     def _skip(self, tp: TopicPartition, offset: int, reason: str) -> None:
         WORKER_SKIPPED.labels(reason=reason).inc()
         log.info("request record skipped", extra={"reason": reason, "offset": offset})
-        self._offsets.done(tp, offset)
-        self._finalizer.commit_offsets_soon()
+        self._offsets.taken(tp, offset, open_=False)
+        self._finalizer.commit_offsets_soon(tp)
+
+    async def undecodable(self, record: ConsumerRecord[bytes, bytes], exc: DecodeError) -> None:
+        """A request record no released schema decodes: dead-letter it, and tell its client at once when the
+        record's headers say who that is (a newer gateway's schema this worker does not know yet)."""
+        tp = TopicPartition(record.topic, record.partition)
+        if self._dead_letters is not None:
+            await self._dead_letters.send(record, str(exc))
+        async with self.admission:
+            if tp not in self._active or self._offsets.classify(tp, record.offset) is not Taken.NEW:
+                return
+            address = reply_address(record.headers)
+            if address is None:
+                return self._skip(tp, record.offset, "undecodable")
+            WORKER_SKIPPED.labels(reason="undecodable").inc()
+            self._offsets.taken(tp, record.offset)
+        request_id, partition = address
+        final = TokenEvent(request_id=request_id, attempt=1, seq=0, token_offset=0, token_ids=[], text="",
+                           finish_reason="error", worker_id=self._worker_id, emitted_at_us=_now_us(),
+                           error=f"this worker cannot read the request ({exc}); it was not generated",
+                           error_code=ErrorCode.UNDECODABLE_REQUEST.value)
+        self._spawn(self._finish_quietly(Finished(final, None, partition, tp, record.offset, None, None)))
+
+    async def _finish_quietly(self, item: Finished) -> None:
+        with contextlib.suppress(PartitionLost):
+            await self._finalizer.finish(item)
+
+    def _spawn(self, coro: Coroutine[object, object, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     # --- control --------------------------------------------------------------------------------------
 
     def on_control(self, event: ControlEvent) -> None:
         self._controls.remember(event)
         job = self.jobs.get(event.request_id)
-        if job is None or job.abort_cause is not None or job.task is None:
+        if job is None:
             return
-        job.abort_cause = _cause(event)
         log.info("aborting on control event", extra={"request_id": event.request_id,
                                                       "action": event.action.value, "reason": event.reason})
+        if job.abort_cause is None and event.delivered_tokens is not None:
+            job.received_cap = event.delivered_tokens
+        self._abort(job, _cause(event))
+
+    def attended(self, gateway_id: str) -> None:
+        """The gateway of these streams was seen alive: what they emitted so far may have reached their clients."""
+        for job in self.jobs.values():
+            if job.request.reply.gateway_id == gateway_id:
+                job.attended_tokens = job.tokens
+
+    def cancel_unattended(self, gateway_id: str) -> int:
+        """Nobody listens to these streams any more (their gateway is gone): stop generating them, and bill no
+        more than was emitted while the gateway was last seen alive."""
+        jobs = [j for j in self.jobs.values() if j.request.reply.gateway_id == gateway_id]
+        for job in jobs:
+            if job.abort_cause is None:
+                job.received_cap = job.attended_tokens
+            self._abort(job, "unattended")
+        return len(jobs)
+
+    def _abort(self, job: Job, cause: str) -> None:
+        if job.abort_cause is not None or job.task is None or job.finalizing:
+            return
+        job.abort_cause = cause
         job.task.cancel()
 
     async def abort_partitions(self, partitions: Iterable[TopicPartition], cause: str) -> None:
-        """Stop generating the requests of these partitions (revoked, or the worker is stopping)."""
-        revoked = set(partitions)
-        jobs = [j for j in self.jobs.values() if j.source in revoked and j.task is not None]
+        """Stop generating the requests of these partitions (moved, or the worker is stopping)."""
+        moved = set(partitions)
+        jobs = [j for j in self.jobs.values() if j.source in moved and j.task is not None]
         for job in jobs:
-            job.abort_cause = job.abort_cause or cause
+            job.abort_cause = cause  # overrides a pending cancel: the next owner commits that one
             assert job.task is not None
             job.task.cancel()
         await asyncio.gather(*(j.task for j in jobs if j.task is not None), return_exceptions=True)
@@ -167,98 +345,230 @@ class Intake:
         if tasks:
             await asyncio.wait(tasks, timeout=timeout_s)
         await self.abort_partitions({j.source for j in self.jobs.values()}, "shutdown")
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
 
     # --- generation -----------------------------------------------------------------------------------
 
     async def _run(self, job: Job) -> None:
         with request_scope(job.request.request_id):
             try:
-                await self._generate(job)
+                outcome = await self._generate(job)
+                if outcome is not None:
+                    await self._finalize(job, outcome)
             except EngineDeadError as exc:
                 if not self.fatal.done():
                     self.fatal.set_exception(exc)
             except asyncio.CancelledError:
-                pass  # revoked or stopping: Kafka redelivers it
+                pass  # moved or stopping: the next owner takes it over
+            except PartitionLost:
+                log.info("partition moved before the commit; its new owner finishes the request")
             finally:
                 self.jobs.pop(job.request.request_id, None)
                 WORKER_IN_FLIGHT.set(len(self.jobs))
                 self.room_freed.set()
 
-    async def _generate(self, job: Job) -> None:
-        request = job.request
-        seq = 0
-        last: Delivery | None = None
-        cached = 0
-        final_ids: list[int] = []
-        final_text = ""
-        finish_reason: str | None = None
-        error: str | None = None
+    async def _generate(self, job: Job) -> Outcome | None:
+        """Run the engine; the outcome to commit, or None when nothing is committed (moved, stopping)."""
         try:
+            if job.takeover:
+                finished = await self._take_over(job)
+                if finished is not None:
+                    return finished
             if job.abort_cause is not None:
                 raise asyncio.CancelledError
-            stream = self._engine.generate(request.request_id, request.prompt_token_ids, request.sampling)
-            async for delta in stream:
-                if seq == 0 and job.tokens == 0:
-                    WORKER_TTFT.observe(time.perf_counter() - job.admitted_at)
-                cached = delta.cached_tokens
-                if delta.finish_reason is not None:
-                    finish_reason, final_ids, final_text = delta.finish_reason, delta.token_ids, delta.text
-                    break
-                if not delta.token_ids and not delta.text:
-                    continue
-                last = await self._sink.emit(self._event(job, seq, delta.token_ids, delta.text),
-                                             request.reply.partition, job.traceparent)
-                seq += 1
-                job.tokens += len(delta.token_ids)
-                WORKER_TOKENS_OUT.inc(len(delta.token_ids))
+            if _past_deadline(job):
+                return _expired(job)
+            return await self._stream(job)
         except asyncio.CancelledError:
             cause = job.abort_cause or "shutdown"
             WORKER_ABORTED.labels(cause=cause).inc()
-            outcome = ABORT_OUTCOMES.get(cause)
-            if outcome is None:
+            finish_reason = ABORT_OUTCOMES.get(cause)
+            if finish_reason is None:
                 raise
             current = asyncio.current_task()
             if current is not None:
                 current.uncancel()
-            finish_reason = outcome
+            return Outcome(finish_reason, [], "")
         except EngineDeadError:
             raise
+        except Diverged as exc:
+            return Outcome("error", [], "", f"failover could not continue the stream exactly: {exc}",
+                           ErrorCode.STREAM_INCONSISTENT.value)
         except KafkaError as exc:
-            finish_reason, error = "error", f"token delivery failed: {exc!r}"
+            return Outcome("error", [], "", f"token delivery failed: {exc!r}", ErrorCode.TOKEN_DELIVERY_FAILED.value)
         except Exception as exc:  # one failed request (engine rejected it, bad params): never the worker
             log.exception("generation failed")
-            finish_reason, error = "error", f"{type(exc).__name__}: {exc}"
-        WORKER_TOKENS_OUT.inc(len(final_ids))
-        await self._finalize(job, seq, final_ids, final_text, finish_reason or "error", error, cached, last)
+            return Outcome("error", [], "", f"{type(exc).__name__}: {exc}", ErrorCode.GENERATION_FAILED.value)
+
+    async def _take_over(self, job: Job) -> Outcome | None:
+        """Read what earlier attempts emitted. An outcome when the stream already ended (nothing to generate)."""
+        # NOTE: shielded: a cancel or halt arriving meanwhile is handled once the prefix is known, so that what
+        # the client already received is billed and the final lands after it.
+        reading = asyncio.ensure_future(self._read_prefix(job))
+        try:
+            prefix = await asyncio.shield(reading)
+        except asyncio.CancelledError:
+            prefix = await reading
+            self._took_over(job, prefix)
+            raise
+        self._took_over(job, prefix)
+        if prefix.attempt >= job.attempt:
+            # A newer owner already emitted for it: this worker missed a rebalance. Touch nothing.
+            self._stale(job.source, f"attempt {prefix.attempt} emitted for {job.request.request_id}")
+            job.abort_cause = "revoked"
+            raise asyncio.CancelledError
+        if prefix.final is not None:
+            WORKER_TAKEOVERS.labels(mode="finished_before").inc()
+            final = prefix.final
+            job.ran = final.usage is not None and final.usage.prompt_tokens > 0
+            return Outcome(final.finish_reason or "stop", [], "", final.error, final.error_code,
+                           final.usage.cached_tokens if final.usage else 0)
+        if prefix.error is not None:
+            WORKER_TAKEOVERS.labels(mode="stream_failed").inc()
+            return Outcome("error", [], "", prefix.error, ErrorCode.STREAM_INCONSISTENT.value)
+        if prefix.tokens >= job.request.sampling.max_tokens:
+            WORKER_TAKEOVERS.labels(mode="complete").inc()
+            return Outcome("length", [], "")
+        WORKER_TAKEOVERS.labels(mode="replay" if plan(job.request, prefix).replay.tokens else "continue").inc()
+        return None
+
+    @staticmethod
+    def _took_over(job: Job, prefix: EmittedPrefix) -> None:
+        job.prefix, job.tokens, job.ran = prefix, prefix.tokens, prefix.tokens > 0
+
+    async def _read_prefix(self, job: Job) -> EmittedPrefix:
+        """What the request emitted, retried while Kafka is unreachable: without it, neither what to generate
+        nor what to bill is known. Past ``give_up_s`` the worker stops (restarted, its partitions move)."""
+        first_offset = None
+        with contextlib.suppress(*CLAIM_ERRORS):  # unknown: read from the request's creation time instead
+            first_offset = await self._claims.first_offset(job.request.request_id)
+        started, delay = time.monotonic(), 0.2
+        while True:
+            try:
+                return await self._prefix.read(job.request, first_offset)
+            except (KafkaError, TimeoutError) as exc:
+                if time.monotonic() - started > self._give_up_s:
+                    # Nothing is committed: the partition's next owner reads it again.
+                    self.fail(FatalError(f"cannot read what {job.request.request_id} emitted: {exc!r}"))
+                    job.abort_cause = "shutdown"
+                    raise asyncio.CancelledError from exc
+                log.warning("emitted prefix unreadable; retrying", extra={"reason": repr(exc)})
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    async def _stream(self, job: Job) -> Outcome:
+        request = job.request
+        steps = plan(request, job.prefix)
+        replay = ReplayFilter(steps.replay) if steps.replay.tokens else None
+        job.ran = True
+        engine_id = f"{request.request_id}#{job.attempt}"
+        # NOTE: closed on every exit, so the engine aborts the request at once (not when the generator is collected).
+        async with contextlib.aclosing(self._engine.generate(engine_id, steps.prompt_token_ids,
+                                                             steps.sampling)) as deltas:
+            return await self._relay_deltas(job, deltas, replay)
+
+    async def _relay_deltas(self, job: Job, deltas: AsyncGenerator[EngineDelta, None], replay: ReplayFilter | None
+                            ) -> Outcome:
+        request = job.request
+        cached = 0
+        async for delta in deltas:
+            if job.seq == 0 and job.tokens == job.prefix.tokens:
+                WORKER_TTFT.observe(time.perf_counter() - job.admitted_at)
+            cached = delta.cached_tokens
+            ids, text = replay.feed(delta.token_ids, delta.text) if replay else (delta.token_ids, delta.text)
+            if delta.finish_reason is not None:
+                return Outcome(delta.finish_reason, ids, text, cached_tokens=cached)
+            if not ids and not text:
+                continue
+            delivery = await self._sink.emit(self._event(job, job.seq, ids, text), request.reply.partition,
+                                             job.traceparent)
+            first_of_request = job.seq == 0 and not job.prefix.tokens
+            job.in_flight.add(delivery)
+            delivery.add_done_callback(partial(self._delivered, job, job.tokens, first_of_request))
+            job.seq += 1
+            job.last_delivery = delivery
+            job.tokens += len(ids)
+            WORKER_TOKENS_OUT.inc(len(ids))
+        return Outcome("error", [], "", "the engine ended the stream without a finish reason",
+                       ErrorCode.GENERATION_FAILED.value)
+
+    def _delivered(self, job: Job, token_offset: int, first: bool, delivery: Delivery) -> None:
+        job.in_flight.discard(delivery)
+        if delivery.cancelled() or delivery.exception() is not None:
+            if job.undelivered_from is None or token_offset < job.undelivered_from:
+                job.undelivered_from = token_offset
+            log.error("token delta not delivered", extra={"request_id": job.request.request_id,
+                                                          "reason": repr(delivery.exception()
+                                                                         if not delivery.cancelled() else None)})
+            self._abort(job, "delivery")
+        elif first:
+            metadata = delivery.result()
+            self._spawn(self._record_first_offset(job.request.request_id, metadata.offset))
+
+    async def _record_first_offset(self, request_id: str, offset: int) -> None:
+        with contextlib.suppress(*CLAIM_ERRORS):  # else a takeover searches from the request's creation time
+            await self._claims.record_first_offset(request_id, offset)
 
     def _event(self, job: Job, seq: int, token_ids: list[int], text: str, **final: object) -> TokenEvent:
         return TokenEvent(request_id=job.request.request_id, attempt=job.attempt, seq=seq,
                           token_offset=job.tokens, token_ids=token_ids, text=text, worker_id=self._worker_id,
                           emitted_at_us=_now_us(), **final)
 
-    async def _finalize(self, job: Job, seq: int, final_ids: list[int], final_text: str, finish_reason: str,
-                        error: str | None, cached: int, last: Delivery | None) -> None:
+    async def _finalize(self, job: Job, outcome: Outcome) -> None:
         request = job.request
-        ran = job.abort_cause is None or job.tokens > 0 or bool(final_ids)
-        prompt_tokens = len(request.prompt_token_ids) if ran else 0
-        completion_tokens = job.tokens + len(final_ids)
-        usage = TokenUsage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, cached_tokens=cached)
-        final = self._event(job, seq, final_ids, final_text, finish_reason=finish_reason, usage=usage, error=error)
+        job.finalizing = True
+        if job.in_flight:
+            # Every delta acknowledged (or failed) first: what the client can have decides the final and the bill.
+            await asyncio.gather(*job.in_flight, return_exceptions=True)
+        if job.undelivered_from is not None:
+            # The client cannot have more than what reached its gateway: bill that, end the stream in error.
+            outcome = Outcome("error", [], "", "a token delta could not be delivered to the client's gateway",
+                              ErrorCode.TOKEN_DELIVERY_FAILED.value, outcome.cached_tokens)
+        completion = job.tokens + len(outcome.final_ids)
+        if job.undelivered_from is not None:
+            completion = min(completion, job.undelivered_from)
+        if job.received_cap is not None and outcome.finish_reason == "cancelled":
+            # Billed for what its client received: a hang-up's tokens in flight are not, and tokens a stalled
+            # predecessor sent after this takeover read the log are (nobody else bills them).
+            completion = job.received_cap
+        prompt = len(request.prompt_token_ids)
+        billed = completion > 0 or (job.ran and job.abort_cause is None)
+        cached = min(outcome.cached_tokens, prompt)
+        usage = TokenUsage(prompt_tokens=prompt if billed else 0, completion_tokens=completion,
+                           cached_tokens=cached if billed else 0)
+        final = self._event(job, job.seq, outcome.final_ids, outcome.final_text, finish_reason=outcome.finish_reason,
+                            usage=usage, error=outcome.error, error_code=outcome.error_code)
         record = UsageEvent(
             request_id=request.request_id, org_id=request.org_id, key_id=request.key_id, tier=request.tier,
-            model=request.model, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-            cached_tokens=cached, finish_reason=finish_reason, attempt=job.attempt, worker_id=self._worker_id,
-            requested_at=request.created_at, started_at=job.started_at, finished_at=utcnow(),
-            conversation_id=request.conversation_id,
-        )
+            model=request.model, prompt_tokens=usage.prompt_tokens, completion_tokens=completion,
+            cached_tokens=usage.cached_tokens, finish_reason=outcome.finish_reason, attempt=job.attempt,
+            worker_id=self._worker_id, requested_at=request.created_at, started_at=job.started_at,
+            finished_at=utcnow(), conversation_id=request.conversation_id,
+        ) if billed else None
+        WORKER_TOKENS_OUT.inc(len(outcome.final_ids))
         await self._finalizer.finish(Finished(final, record, request.reply.partition, job.source, job.offset,
-                                              job.traceparent, last))
-        WORKER_FINISHED.labels(finish_reason=finish_reason).inc()
-        log.info("request finished", extra={"finish_reason": finish_reason, "completion_tokens": completion_tokens,
-                                            "attempt": job.attempt})
+                                              job.traceparent, job.last_delivery))
+        WORKER_FINISHED.labels(finish_reason=outcome.finish_reason).inc()
+        log.info("request finished", extra={"finish_reason": outcome.finish_reason, "completion_tokens": completion,
+                                            "attempt": job.attempt, "billed": billed})
 
     def state(self) -> list[dict[str, object]]:
         return [job.describe() for job in self.jobs.values()]
+
+
+def _past_deadline(job: Job) -> bool:
+    """Generation would start after the request's queue deadline, and its client has nothing yet."""
+    deadline = job.request.deadline_at
+    return deadline is not None and not job.prefix.tokens and utcnow() > deadline
+
+
+def _expired(job: Job) -> Outcome:
+    deadline = job.request.deadline_at
+    waited = (utcnow() - job.request.created_at).total_seconds()
+    return Outcome("error", [], "", f"the request waited {waited:.0f} s in the queue, past its deadline "
+                   f"({deadline.isoformat() if deadline else '?'}); it was not generated and is not billed",
+                   ErrorCode.QUEUE_DEADLINE_EXCEEDED.value)
 
 
 def _cause(event: ControlEvent) -> str:

@@ -1,9 +1,14 @@
-"""Entry point of one inference worker process: ``kns worker``."""
+"""Entry point of one inference worker process (``python -m inference_workers.main``; ``kns worker`` supervises it).
+
+Exit codes (``runtime.supervisor`` decides on them): 2 when the engine died or the worker cannot go on (restarted),
+``os.EX_CONFIG`` when the model folder is missing (not restarted: a restart would fail the same way).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 
@@ -12,6 +17,7 @@ from inference_workers.protocol import EngineClient, EngineDeadError
 from inference_workers.synthetic import SyntheticEngine
 from inference_workers.worker import Worker
 from runtime.logs import configure_logging
+from runtime.reaper import start_reaper
 from runtime.settings import Settings, load_settings
 from schemas.errors import FatalError
 
@@ -38,8 +44,20 @@ async def serve(settings: Settings) -> None:
 def run() -> None:
     settings = load_settings()
     configure_logging(settings.observability, service="worker")
+    if settings.engine.kind == "vllm":
+        if not (settings.model.path / "config.json").is_file():
+            log.critical("no model to serve", extra={"path": str(settings.model.path),
+                                                      "hint": "kns model prepares it"})
+            sys.exit(os.EX_CONFIG)
+        # NOTE cleanup ownership: vLLM's engine-core process does not watch this one. The reaper, started before
+        # it, stops the engine (and anything else we started) once this process is gone, even by SIGKILL.
+        start_reaper("worker-reaper")
     try:
         asyncio.run(serve(settings))
     except (EngineDeadError, FatalError) as exc:
         log.critical("worker stopping", extra={"reason": repr(exc)})
         sys.exit(2)
+
+
+if __name__ == "__main__":  # a __main__ guard: vLLM's engine core is spawned and imports this module again
+    run()

@@ -1,14 +1,23 @@
-"""The worker's view of an inference engine. Only ``engine.py`` imports vLLM; everything else depends on this
-Protocol, so the intake and emitter logic is unit-tested with a fake engine and integration-tested with vLLM.
+"""The worker's seams. Only ``engine.py`` imports vLLM; everything else depends on :class:`EngineClient`, so the
+intake, offsets, rebalance and control logic is unit-tested with a fake engine (``tests/fakes/``) and
+integration-tested with vLLM. The other Protocols are the Kafka- and Redis-facing parts the intake uses, faked in
+the same unit tests and real everywhere else.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from schemas.events import SamplingSpec
+from aiokafka import TopicPartition
+
+from schemas.events import ChatRequest, SamplingSpec, TokenEvent
+
+if TYPE_CHECKING:
+    from inference_workers.claims import Claim
+    from inference_workers.emitter import Delivery, Finished
+    from inference_workers.resume import EmittedPrefix
 
 
 @dataclass(frozen=True)
@@ -33,7 +42,7 @@ class EngineClient(Protocol):
         ...
 
     def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
-                 ) -> AsyncIterator[EngineDelta]:
+                 ) -> AsyncGenerator[EngineDelta, None]:
         """Stream deltas until one carries a finish reason. Cancelling the iterating task aborts the request
         in the engine."""
         ...
@@ -44,3 +53,41 @@ class EngineClient(Protocol):
     def describe(self) -> dict[str, object]: ...
 
     def shutdown(self) -> None: ...
+
+
+# --- the worker's other seams (faked in unit tests: tests/fakes/) ------------------------------------------
+
+
+class ClaimsT(Protocol):
+    """Who generates a request id (``claims.RequestClaims``)."""
+
+    async def claim(self, request_id: str, source: str, attempt: int, *, org_id: str = "", key_id: str = ""
+                    ) -> Claim: ...
+
+    async def record_first_offset(self, request_id: str, offset: int) -> None: ...
+
+    async def first_offset(self, request_id: str) -> int | None: ...
+
+    async def mark_done(self, request_ids: list[str]) -> None: ...
+
+
+class TokenSinkT(Protocol):
+    """Produces a request's non-final token events (``emitter.TokenSink``)."""
+
+    async def emit(self, event: TokenEvent, partition: int, traceparent: str | None) -> Delivery: ...
+
+
+class FinalizerT(Protocol):
+    """Commits finished requests with their offsets (``emitter.Finalizer``)."""
+
+    async def finish(self, item: Finished) -> None: ...
+
+    def commit_offsets_soon(self, tp: TopicPartition) -> None: ...
+
+    async def flush(self, timeout_s: float | None = None) -> None: ...
+
+
+class PrefixReaderT(Protocol):
+    """Reads what a request emitted so far (``prefix.PrefixReader``)."""
+
+    async def read(self, request: ChatRequest, first_offset: int | None) -> EmittedPrefix: ...

@@ -1,37 +1,129 @@
-"""Consumer-group rebalances. On revoke: stop generating the revoked partitions' requests (the new owner
-will), commit everything already finished, forget the partitions. On assign: start tracking them."""
+"""Consumer-group rebalances, with only the requests of partitions that actually move interrupted.
+
+aiokafka's group protocol is eager: every rebalance first revokes every partition, then assigns the new set.
+With the sticky assignor (``assignor.py``) most partitions come straight back, so revocation only suspends:
+
+1. on revoke: stop admitting from the partitions, commit what already finished, keep generating — unless this
+   worker was expelled from the group (it missed a rebalance: a stall past the session timeout). Then every
+   partition it held may have a new owner already, whose producer fenced its own: all are dropped at once;
+2. on assign: the partitions that moved away: abort their requests (nothing is committed for them; the new
+   owner takes them over from what they emitted) and drop their producers; the partitions gained: start their
+   transactional producer first (which fences the previous owner and ends its open transaction), then read
+   their committed state; every assigned partition is positioned where this worker resumes it (a retained
+   partition is not re-read from its committed offset), and admission resumes under the new generation, which
+   numbers the attempts of the requests admitted from then on.
+
+NOTE: aiokafka does not heartbeat while ``on_partitions_assigned`` runs: everything in it is bounded.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable, Iterable
 
 from aiokafka import ConsumerRebalanceListener, TopicPartition
 
-from inference_workers.emitter import Finalizer
 from inference_workers.intake import Intake
-from inference_workers.offsets import OffsetTracker
+from inference_workers.offsets import CommittedState, OffsetTracker
+from inference_workers.protocol import FinalizerT
+from inference_workers.transactions import PartitionTransactions
+from runtime.metrics import WORKER_REBALANCES
+from schemas.errors import FatalError
 
 log = logging.getLogger(__name__)
 
+#: the committed state of partitions (read after their producer fenced the previous owner)
+ReadCommitted = Callable[[set[TopicPartition]], Awaitable[dict[TopicPartition, CommittedState]]]
+Seek = Callable[[TopicPartition, int], None]
+#: the consumer's group generation now; ``EXPELLED`` after the coordinator stopped recognising the member
+Generation = Callable[[], int]
+EXPELLED = -1
+
 
 class RequestRebalanceListener(ConsumerRebalanceListener):
-    def __init__(self, intake: Intake, finalizer: Finalizer, offsets: OffsetTracker) -> None:
+    def __init__(self, intake: Intake, finalizer: FinalizerT, offsets: OffsetTracker,
+                 transactions: PartitionTransactions, read_committed: ReadCommitted, seek: Seek,
+                 generation: Generation, *, on_expelled: Callable[[], None] = lambda: None,
+                 flush_timeout_s: float = 3.0) -> None:
         self._intake = intake
         self._finalizer = finalizer
         self._offsets = offsets
-        self.assigned: set[TopicPartition] = set()
+        self._transactions = transactions
+        self._read_committed = read_committed
+        self._seek = seek
+        self._generation = generation
+        self._on_expelled = on_expelled
+        self._flush_timeout_s = flush_timeout_s
+        intake.on_stale = self.partition_lost
+
+    @property
+    def assigned(self) -> set[TopicPartition]:
+        return self._transactions.owned()
 
     async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
         if not revoked:
             return
-        log.info("partitions revoked", extra={"partitions": sorted(tp.partition for tp in revoked)})
-        await self._intake.abort_partitions(revoked, "revoked")
-        # NOTE: commit what finished before the partitions move, or the new owner would skip nothing.
-        await self._finalizer.flush()
-        self._offsets.revoke(revoked)
-        self.assigned -= set(revoked)
+        async with self._intake.admission:
+            self._intake.suspend(revoked)
+            if self._generation() == EXPELLED:
+                log.warning("expelled from the group: every partition may have moved", extra={
+                    "partitions": _numbers(revoked)})
+                WORKER_REBALANCES.labels(outcome="expelled").inc(len(revoked))
+                self._on_expelled()  # the next join claims no partition: they are not this worker's any more
+                await self._release(self._transactions.owned())
+                return
+        # What finished before the partitions may move is committed now: the next owner then skips it.
+        await self._finalizer.flush(self._flush_timeout_s)
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
-        log.info("partitions assigned", extra={"partitions": sorted(tp.partition for tp in assigned)})
-        self._offsets.assign(assigned)
-        self.assigned |= set(assigned)
+        async with self._intake.admission:
+            owned = self._transactions.owned()
+            moved, gained = owned - assigned, assigned - owned
+            WORKER_REBALANCES.labels(outcome="kept").inc(len(owned & assigned))
+            WORKER_REBALANCES.labels(outcome="moved").inc(len(moved))
+            WORKER_REBALANCES.labels(outcome="gained").inc(len(gained))
+            log.info("partitions assigned", extra={"kept": _numbers(owned & assigned), "moved": _numbers(moved),
+                                                   "gained": _numbers(gained)})
+            if moved:
+                await self._release(moved)
+            try:
+                await self._gain(gained)
+            except Exception as exc:  # aiokafka would log and carry on with partitions nobody serves
+                log.exception("could not take over partitions; stopping the worker", extra={
+                    "partitions": _numbers(gained)})
+                self._intake.fail(FatalError(f"could not take over partitions {_numbers(gained)}: {exc!r}"))
+                return
+            for tp in assigned:
+                self._seek(tp, self._offsets.resume_at(tp))
+            self._intake.activate(assigned, self._generation())
+
+    async def _gain(self, gained: set[TopicPartition]) -> None:
+        for tp in sorted(gained):
+            await self._transactions.acquire(tp)
+        committed = await self._read_committed(gained) if gained else {}
+        for tp in gained:
+            self._offsets.restore(tp, committed[tp])
+
+    async def _release(self, partitions: set[TopicPartition]) -> None:
+        self._intake.suspend(partitions)
+        await self._intake.abort_partitions(partitions, "revoked")
+        await self._finalizer.flush(self._flush_timeout_s)  # finished meanwhile: commit while it is still ours
+        for tp in partitions:
+            self._offsets.revoke([tp])
+            await self._transactions.release(tp)
+
+    async def partition_lost(self, tp: TopicPartition) -> None:
+        """A commit found this worker fenced on ``tp``: another worker owns it now (this one missed the
+        rebalance, e.g. a stall longer than the session timeout). Stop its requests; the group will tell us."""
+        async with self._intake.admission:
+            if tp in self._transactions.owned():
+                log.warning("partition lost to another worker", extra={"partition": tp.partition})
+                WORKER_REBALANCES.labels(outcome="lost").inc()
+                self._intake.suspend([tp])
+                await self._intake.abort_partitions([tp], "revoked")
+                self._offsets.revoke([tp])
+                await self._transactions.release(tp)
+
+
+def _numbers(partitions: Iterable[TopicPartition]) -> list[int]:
+    return sorted(tp.partition for tp in partitions)

@@ -1,19 +1,49 @@
 """A synthetic engine: tokens at a fixed rate per request, no model. Same protocol as the vLLM engine.
 
 For measuring everything around the engine (Kafka, the worker's emitter, the gateway's relay) at loads no real
-engine on this machine could produce. Never the default; selected with ``KNS_ENGINE__KIND=synthetic``.
+engine on this machine could produce, and for checking streams token by token under faults (``kns chaos``):
+like a real model, each token is a function of what precedes it, so a generation continued from an emitted
+prefix at temperature 0 equals an uninterrupted one, and a seeded sample at temperature > 0 is reproducible
+only when it is generated again from the start. Never the default; selected with ``KNS_ENGINE__KIND=synthetic``.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import zlib
+from collections.abc import AsyncGenerator, Sequence
+from struct import pack
 
 from inference_workers.protocol import EngineDelta
 from runtime.settings import EngineSettings
 from schemas.events import SamplingSpec
 
-WORD = " tok"
+#: token ids the synthetic model draws from; the text of token t is " t<t>"
+VOCAB_BASE, VOCAB_SIZE = 1000, 4000
+CONTEXT = 8
+
+
+def next_token(context: Sequence[int], sampling: SamplingSpec, step: int) -> int:
+    """The token after ``context``: greedy (a function of the context) at temperature 0; at temperature > 0 a
+    draw from the request's seeded stream, which restarts with every generation, as a sampler's RNG does."""
+    data = pack(f"<{min(len(context), CONTEXT)}i", *context[-CONTEXT:])
+    if sampling.temperature > 0:
+        data += pack("<qi", sampling.seed if sampling.seed is not None else id(sampling), step)
+    return VOCAB_BASE + zlib.crc32(data) % VOCAB_SIZE
+
+
+def token_text(token: int) -> str:
+    return f" t{token}"
+
+
+def expected_completion(prompt: Sequence[int], sampling: SamplingSpec) -> tuple[list[int], str]:
+    """What an uninterrupted generation of the synthetic model gives (to check streams against)."""
+    context, ids = list(prompt), []
+    for step in range(sampling.max_tokens):
+        token = next_token(context, sampling, step)
+        ids.append(token)
+        context.append(token)
+    return ids, "".join(token_text(t) for t in ids)
 
 
 class SyntheticEngine:
@@ -34,12 +64,15 @@ class SyntheticEngine:
                 "max_num_seqs": self._max_num_seqs}
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
-                       ) -> AsyncIterator[EngineDelta]:
+                       ) -> AsyncGenerator[EngineDelta, None]:
         prompt = len(prompt_token_ids)
-        for i in range(sampling.max_tokens):
+        context = list(prompt_token_ids)
+        for step in range(sampling.max_tokens):
             await asyncio.sleep(self._interval)
-            last = i == sampling.max_tokens - 1
-            yield EngineDelta([1000 + i % 100], WORD, "length" if last else None, prompt, 0)
+            token = next_token(context, sampling, step)
+            context.append(token)
+            last = step == sampling.max_tokens - 1
+            yield EngineDelta([token], token_text(token), "length" if last else None, prompt, 0)
 
     def shutdown(self) -> None:
         return None

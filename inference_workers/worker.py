@@ -1,8 +1,9 @@
 """The worker's composition root: builds the clients and components once and runs their loops.
 
-Loops: the request consumer (group member, read_committed, partitions paused when the engine is full), the
-control listener, the finalizer's commit loop and the admin server. The worker stops on SIGTERM (drain,
-then abort what remains: Kafka redelivers it), and exits non-zero when the engine dies or it is fenced.
+Loops: the request consumer (group member with the sticky load-aware assignor, read_committed, partitions paused
+when the engine is full), the control listener, the finalizer's commit loop, the gateway-presence check and the
+admin server. The worker stops on SIGTERM (drain, then abort what remains: the partitions' next owner takes it
+over), and exits non-zero when the engine dies or commits keep failing.
 """
 
 from __future__ import annotations
@@ -10,17 +11,26 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import AsyncExitStack
+from functools import partial
 from typing import Any
 
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
 from inference_workers.admin import admin_server, create_admin_app
+from inference_workers.assignor import StickyLoadAssignor
 from inference_workers.claims import RequestClaims
 from inference_workers.control import ControlListener
 from inference_workers.emitter import Finalizer, TokenSink
 from inference_workers.intake import Intake
-from inference_workers.offsets import OffsetTracker
+from inference_workers.offsets import CommittedState, OffsetTracker, decode_state
+from inference_workers.prefix import PrefixReader
+from inference_workers.presence import GatewayPresence
 from inference_workers.protocol import EngineClient
 from inference_workers.rebalance import RequestRebalanceListener
-from runtime.kafka_clients import consume, make_consumer, make_producer
+from inference_workers.transactions import PartitionTransactions
+from runtime.dead_letters import DeadLetters
+from runtime.faults import Faults
+from runtime.kafka_clients import committed_with_metadata, consume, make_consumer, make_producer
 from runtime.redis_client import make_redis
 from runtime.settings import Settings
 from schemas.codec import codec_for
@@ -28,6 +38,25 @@ from schemas.events import ChatRequest
 from schemas.topics import TOPICS
 
 log = logging.getLogger(__name__)
+
+#: /health turns red when no commit has succeeded for this long while commits are pending
+STALLED_COMMITS_S = 10.0
+
+
+async def committed_states(consumer: AIOKafkaConsumer, partitions: set[TopicPartition]
+                           ) -> dict[TopicPartition, CommittedState]:
+    """Each partition's committed offset and state; a partition never committed starts at its beginning."""
+    found = await committed_with_metadata(consumer, partitions)
+    never = [tp for tp, om in found.items() if om is None]
+    beginnings = await consumer.beginning_offsets(never) if never else {}
+    return {tp: (decode_state(om.offset, om.metadata) if om is not None
+                 else CommittedState(beginnings[tp], beginnings[tp], frozenset())) for tp, om in found.items()}
+
+
+def group_generation(consumer: AIOKafkaConsumer) -> int:
+    """The consumer's current group generation (-1 once the coordinator expelled it). aiokafka keeps it on its
+    coordinator and exposes no public accessor."""
+    return int(consumer._coordinator.generation)
 
 
 class Worker:
@@ -39,15 +68,22 @@ class Worker:
         self._intake: Intake | None = None
         self._listener: RequestRebalanceListener | None = None
         self._control: ControlListener | None = None
+        self._finalizer: Finalizer | None = None
 
-    def healthy(self) -> bool:
-        return (
-            self.engine.healthy
-            and self._consumer_task is not None
-            and not self._consumer_task.done()
-            and self._control is not None
-            and self._control.healthy
-        )
+    def problems(self) -> list[str]:
+        """Why this worker cannot serve right now (empty: healthy)."""
+        found = []
+        if not self.engine.healthy:
+            found.append("the engine is not healthy")
+        if self._consumer_task is None or self._consumer_task.done():
+            found.append("the request consumer is not running")
+        if self._control is None or not self._control.healthy:
+            found.append("the control listener is not running")
+        if self._finalizer is not None and self._finalizer.stalled_for() > STALLED_COMMITS_S:
+            found.append(f"no commit succeeded for {self._finalizer.stalled_for():.0f} s")
+        if self._intake is not None and self._intake.degraded:
+            found.append(self._intake.degraded)
+        return found
 
     def state(self) -> dict[str, Any]:
         return {
@@ -62,6 +98,7 @@ class Worker:
         s = self.settings
         kafka, worker = s.kafka, s.worker
         group = kafka.group(worker.group)
+        token_topic = kafka.topic(TOPICS.tokens.name)
         async with AsyncExitStack() as stack:
             redis = make_redis(s.redis)
             stack.push_async_callback(redis.aclose)
@@ -70,40 +107,55 @@ class Worker:
             delta_producer = make_producer(kafka, role="worker-tokens")
             await delta_producer.start()
             stack.push_async_callback(delta_producer.stop)
-            txn_producer = make_producer(kafka, role="worker-txn", transactional_id=worker.instance_id)
-            await txn_producer.start()
-            stack.push_async_callback(txn_producer.stop)
+            dead_letters = DeadLetters(delta_producer, kafka, "worker")
+            transactions = PartitionTransactions(kafka, worker.group)
+            stack.push_async_callback(transactions.close)
+            prefix = PrefixReader(kafka, token_topic)
+            await prefix.start()
+            stack.push_async_callback(prefix.stop)
 
             offsets = OffsetTracker()
             finalizer = Finalizer(
-                txn_producer, token_topic=kafka.topic(TOPICS.tokens.name), usage_topic=kafka.topic(TOPICS.usage.name),
-                group_id=group, offsets=offsets, claims=claims, batch_max=worker.finalize_batch_max,
+                transactions, token_topic=token_topic, usage_topic=kafka.topic(TOPICS.usage.name), group_id=group,
+                offsets=offsets, claims=claims, batch_max=worker.finalize_batch_max,
+                give_up_s=worker.finalize_give_up_s, faults=Faults(s.faults),
             )
+            self._finalizer = finalizer
             commit_loop = asyncio.create_task(finalizer.run(), name="finalizer")
             intake = Intake(engine=self.engine, worker_id=worker.instance_id, claims=claims,
-                            sink=TokenSink(delta_producer, kafka.topic(TOPICS.tokens.name)), finalizer=finalizer,
-                            offsets=offsets, max_in_flight=self.engine.max_num_seqs)
+                            sink=TokenSink(delta_producer, token_topic), finalizer=finalizer, offsets=offsets,
+                            prefix=prefix, max_in_flight=self.engine.max_num_seqs, dead_letters=dead_letters,
+                            retry_delay_s=worker.admission_retry_s, give_up_s=worker.finalize_give_up_s)
             self._intake = intake
 
             control = ControlListener(kafka, kafka.topic(TOPICS.control.name), worker.control_lookback_s,
-                                      intake.on_control)
+                                      intake.on_control, dead_letters)
             await control.start()
             stack.push_async_callback(control.stop)
             self._control = control
+            presence = GatewayPresence(redis, s.redis, intake, check_every_s=worker.presence_check_s,
+                                       grace_s=worker.unattended_grace_s)
+            presence_loop = asyncio.create_task(presence.run(), name="gateway-presence")
 
+            assignor = StickyLoadAssignor(offsets.open_counts)
             consumer = make_consumer(kafka, role="worker", group=worker.group,
-                                     instance_id=worker.instance_id if worker.static_membership else None)
-            listener = RequestRebalanceListener(intake, finalizer, offsets)
+                                     instance_id=worker.instance_id if worker.static_membership else None,
+                                     assignors=[assignor])
+            listener = RequestRebalanceListener(intake, finalizer, offsets, transactions,
+                                                partial(committed_states, consumer), consumer.seek,
+                                                partial(group_generation, consumer), on_expelled=assignor.forget)
+            finalizer.set_partition_lost(listener.partition_lost)
             self._listener = listener
             consumer.subscribe([kafka.topic(TOPICS.requests_admitted.name)], listener=listener)
             await consumer.start()
 
-            admin = admin_server(create_admin_app(self.healthy, self.state), worker.admin_host, worker.admin_port)
+            admin = admin_server(create_admin_app(self.problems, self.state), worker.admin_host, worker.admin_port)
             admin_task = asyncio.create_task(admin.serve(), name="admin")
             consumer_stop = asyncio.Event()
             self._consumer_task = asyncio.create_task(
                 consume(consumer, codec_for(ChatRequest), intake.handle, stop=consumer_stop,
-                        capacity=intake.capacity, room_freed=intake.room_freed),
+                        capacity=intake.capacity, room_freed=intake.room_freed, accepts=intake.accepts,
+                        undecodable=intake.undecodable),
                 name="request-consumer",
             )
             log.info("worker ready", extra={"group": group, "max_in_flight": self.engine.max_num_seqs})
@@ -113,13 +165,14 @@ class Worker:
                 # 1. Stop taking requests. 2. Let running ones finish (bounded). 3. Commit. 4. Leave.
                 consumer_stop.set()
                 await asyncio.gather(self._consumer_task, return_exceptions=True)
+                presence_loop.cancel()
                 if not intake.fatal.done():
                     await intake.drain(worker.drain_timeout_s)
                 if not commit_loop.done():
                     await finalizer.stop()
                 await consumer.stop()
                 admin.should_exit = True
-                await asyncio.gather(admin_task, return_exceptions=True)
+                await asyncio.gather(admin_task, presence_loop, return_exceptions=True)
 
     async def _until_stop_or_failure(self, intake: Intake, commit_loop: asyncio.Task[None]) -> None:
         assert self._consumer_task is not None

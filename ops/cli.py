@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import sys
+
 import typer
 
+from bench.chaos.cli import chaos
 from bench.cli import app as bench_app
 from billing.cli import app as billing_app
 from ops.chat_cli import chat
 from ops.keys_cli import app as keys_app
+from ops.keys_cli import orgs_app
 from ops.stack.cli import app as stack_app
 from ops.topics_cli import tokens, topics
 from stream_processors.safety.evaluate import app as safety_app
@@ -15,33 +19,35 @@ from stream_processors.safety.evaluate import app as safety_app
 app = typer.Typer(help="Kafka-native LLM serving.", no_args_is_help=True, pretty_exceptions_show_locals=False)
 app.add_typer(stack_app, name="stack")
 app.add_typer(keys_app, name="keys")
+app.add_typer(orgs_app, name="orgs")
 app.add_typer(safety_app, name="safety")
 app.add_typer(billing_app, name="billing")
 app.add_typer(bench_app, name="bench")
 app.command()(chat)
+app.command()(chaos)
 app.command()(topics)
 app.command()(tokens)
 
 
 @app.command()
 def gateway() -> None:
-    """Run one gateway process (OpenAI-compatible API + SSE relay) in the foreground."""
-    from producers.gateway.main import run
+    """Run one gateway process (OpenAI-compatible API + SSE relay) in the foreground, restarted when it dies."""
+    from runtime.supervisor import exec_supervisor
 
-    run()
+    exec_supervisor("gateway", [sys.executable, "-m", "producers.gateway.main"])
 
 
 @app.command()
 def worker() -> None:
-    """Run one inference worker (vLLM engine + Kafka intake) in the foreground."""
-    from inference_workers.main import run
+    """Run one inference worker (vLLM engine + Kafka intake) in the foreground, restarted when it dies."""
+    from runtime.supervisor import exec_supervisor
 
-    run()
+    exec_supervisor("worker", [sys.executable, "-m", "inference_workers.main"])
 
 
 @app.command()
 def processor(name: str = typer.Argument(..., help="safety, billing or abuse")) -> None:
-    """Run one Faust stream processor in the foreground."""
+    """Run one Faust stream processor in the foreground, restarted when it dies."""
     from stream_processors.runner import PROCESSORS, run
 
     if name not in PROCESSORS:

@@ -3,9 +3,9 @@
 ``make_producer`` / ``make_consumer`` / ``make_admin`` turn settings into aiokafka clients with the platform's
 defaults (idempotence and ``acks=all`` everywhere, ``read_committed`` unless a caller needs to see records
 before their transaction commits). :func:`consume` owns polling, decoding, backpressure (pausing partitions
-when the caller has no capacity), decode-error accounting and shutdown; callers supply an
-``async def handle(event, record)``. It never commits: the callers that track offsets commit them themselves
-(the worker inside its Kafka transaction).
+when the caller has no capacity), deferral (a handler that cannot proceed now), undecodable records and
+shutdown; callers supply an ``async def handle(event, record)``. It never commits: the callers that track
+offsets commit them themselves (the worker inside its Kafka transactions).
 """
 
 from __future__ import annotations
@@ -13,17 +13,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Literal, Protocol, TypeVar
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
+from aiokafka.structs import OffsetAndMetadata
 
 from runtime.metrics import DECODE_ERRORS
 from runtime.settings import KafkaSettings
 from schemas.codec import EventCodec
-from schemas.errors import DecodeError
+from schemas.errors import DecodeError, RetryLater
 from schemas.events import Event
 from schemas.topics import TopicSpec
 
@@ -33,6 +34,10 @@ E = TypeVar("E", bound=Event)
 E_contra = TypeVar("E_contra", bound=Event, contravariant=True)
 
 Isolation = Literal["read_committed", "read_uncommitted"]
+
+
+#: fetches of the cluster's metadata before a topic is declared missing (about 5 s in all)
+METADATA_ATTEMPTS = 10
 
 
 def _compression(kafka: KafkaSettings) -> str | None:
@@ -65,8 +70,11 @@ def make_consumer(
     isolation: Isolation = "read_committed",
     auto_offset_reset: Literal["earliest", "latest"] = "earliest",
     max_partition_fetch_bytes: int = 1_048_576,
+    assignors: Sequence[object] = (),
 ) -> AIOKafkaConsumer:
-    """A consumer that never auto-commits. ``group=None`` gives a manually assigned consumer."""
+    """A consumer that never auto-commits. ``group=None`` gives a manually assigned consumer; ``assignors``
+    replaces the group's partition assignment strategy (aiokafka's round robin)."""
+    extra: dict[str, object] = {"partition_assignment_strategy": tuple(assignors)} if assignors else {}
     return AIOKafkaConsumer(
         bootstrap_servers=kafka.bootstrap_servers,
         client_id=f"{kafka.client_id}-{role}",
@@ -81,6 +89,7 @@ def make_consumer(
         heartbeat_interval_ms=kafka.heartbeat_interval_ms,
         max_poll_interval_ms=kafka.max_poll_interval_ms,
         request_timeout_ms=kafka.request_timeout_ms + 5_000,
+        **extra,
     )
 
 
@@ -117,17 +126,76 @@ async def ensure_topics(kafka: KafkaSettings, specs: list[TopicSpec]) -> list[st
         await admin.close()
 
 
+async def committed_with_metadata(consumer: AIOKafkaConsumer, partitions: Iterable[TopicPartition]
+                                  ) -> dict[TopicPartition, OffsetAndMetadata | None]:
+    """The group's committed offsets *with their metadata* (aiokafka's public ``committed()`` drops it); None
+    where nothing was committed yet."""
+    wanted = list(partitions)
+    found = await consumer._coordinator.fetch_committed_offsets(wanted)  # aiokafka has no public API for it
+    return {tp: (om if om is not None and om.offset >= 0 else None) for tp, om in
+            ((tp, found.get(tp)) for tp in wanted)}
+
+
+async def read_to_end(kafka: KafkaSettings, topic: str, codec: EventCodec[E], *,
+                      isolation: Isolation = "read_committed"
+                      ) -> list[tuple[TopicPartition, int, E, list[tuple[str, bytes]]]]:
+    """Everything a topic holds now (up to its end offsets), decoded, as (partition, offset, event, headers);
+    undecodable records are left out. Under read_committed an open transaction holds the reader back, so it
+    also stops after a few empty polls. For operators' tools, audits and tests, not for services."""
+    consumer = make_consumer(kafka, role="reader", isolation=isolation)
+    await consumer.start()
+    try:
+        partitions = await all_partitions(consumer, topic)
+        consumer.assign(partitions)
+        await consumer.seek_to_beginning(*partitions)
+        ends = await consumer.end_offsets(partitions)
+        out = []
+        idle = 0
+        while idle < 3:
+            batch = await consumer.getmany(timeout_ms=300)
+            if not batch:
+                positions = [await consumer.position(tp) for tp in partitions]
+                if all(pos >= ends[tp] for pos, tp in zip(positions, partitions, strict=True)):
+                    break
+                idle += 1
+                continue
+            idle = 0
+            for tp, records in batch.items():
+                for record in records:
+                    try:
+                        event = codec.decode(record.value or b"")
+                    except DecodeError:
+                        continue
+                    out.append((tp, record.offset, event, list(record.headers or ())))
+        return out
+    finally:
+        await consumer.stop()
+
+
 async def all_partitions(consumer: AIOKafkaConsumer, topic: str) -> list[TopicPartition]:
-    """Every partition of ``topic``, from fresh metadata (a consumer without a subscription has none cached)."""
-    cluster = await consumer._client.fetch_all_metadata()
-    partitions = cluster.partitions_for_topic(topic)
-    if not partitions:
-        raise RuntimeError(f"topic {topic} does not exist (the stack manager creates it)")
-    return [TopicPartition(topic, p) for p in sorted(partitions)]
+    """Every partition of ``topic``, from fresh metadata (a consumer without a subscription has none cached). A
+    topic created a moment ago may take a few metadata refreshes to appear (more so after a broker restart)."""
+    for attempt in range(METADATA_ATTEMPTS):
+        cluster = await consumer._client.fetch_all_metadata()
+        partitions = cluster.partitions_for_topic(topic)
+        if partitions:
+            return [TopicPartition(topic, p) for p in sorted(partitions)]
+        await asyncio.sleep(0.1 * (attempt + 1))
+    raise RuntimeError(f"topic {topic} does not exist (the stack manager creates it)")
 
 
 class Handler(Protocol[E_contra]):
     async def __call__(self, event: E_contra, record: ConsumerRecord[bytes, bytes], /) -> None: ...
+
+
+Undecodable = Callable[[ConsumerRecord[bytes, bytes], DecodeError], Awaitable[None]]
+
+
+def _rewind(consumer: AIOKafkaConsumer, tp: TopicPartition, offset: int) -> None:
+    """Fetch from ``offset`` again (records were fetched but not handled). A partition no longer assigned needs
+    nothing: its next owner starts from the committed offset."""
+    if tp in consumer.assignment():
+        consumer.seek(tp, offset)
 
 
 async def consume(
@@ -139,52 +207,88 @@ async def consume(
     capacity: Callable[[], int] | None = None,
     room_freed: asyncio.Event | None = None,
     on_batch_end: Callable[[], Awaitable[None]] | None = None,
+    accepts: Callable[[TopicPartition], bool] | None = None,
+    undecodable: Undecodable | None = None,
     poll_timeout_ms: int = 100,
 ) -> None:
     """Poll ``consumer`` until ``stop`` is set; decode each record and await ``handle(event, record)``.
 
-    ``capacity()`` (optional) says how many more records the caller can take now; at 0 every assigned
-    partition is paused and the loop sleeps until ``room_freed`` is set (or a second passes: polling goes on
-    so that the group membership stays alive). Records that do not decode are counted and skipped: one bad
-    record never stops a service.
+    Nothing fetched is ever dropped unhandled: a record is handled, or its partition is rewound to it.
+
+    * ``capacity()`` (optional) says how many more records the caller can take now; at 0 every assigned
+      partition is paused and the loop sleeps until ``room_freed`` is set (or a second passes: polling goes on
+      so that the group membership stays alive).
+    * ``accepts(tp)`` (optional): False while the caller cannot take a partition's records yet (a rebalance is
+      being settled); its records are rewound and fetched again later.
+    * A handler raising :class:`RetryLater` rewinds every partition to its first unhandled record and backs off.
+    * Records that do not decode are counted and passed to ``undecodable`` (dead-lettering, telling a waiting
+      client), else logged and skipped: one bad record never stops a service.
     """
-    paused = False
     while not stop.is_set():
         # 1. Backpressure: fetch only what the caller can take.
         room = capacity() if capacity is not None else None
         if room is not None and room <= 0:
-            if not paused:
-                consumer.pause(*consumer.assignment())
-                paused = True
+            # Every time: a rebalance may have assigned partitions that are not paused yet.
+            consumer.pause(*consumer.assignment())
             if room_freed is not None:
                 room_freed.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(room_freed.wait(), 1.0)
             else:
                 await asyncio.sleep(0.01)
-            # Keep the poll loop alive (max.poll.interval) while paused; nothing is returned.
-            await consumer.getmany(timeout_ms=0)
+            # Keep the poll loop alive (max.poll.interval) while paused. Partitions assigned since the pause
+            # above may still return records: they go back, unhandled.
+            for tp, records in (await consumer.getmany(timeout_ms=0)).items():
+                _rewind(consumer, tp, records[0].offset)
             continue
-        if paused:
-            consumer.resume(*consumer.assignment())
-            paused = False
+        consumer.resume(*consumer.paused())
         # 2. Fetch.
         batches = await consumer.getmany(timeout_ms=poll_timeout_ms, max_records=room)
         # 3. Decode and hand over, in partition order.
-        for tp, records in batches.items():
-            for record in records:
-                if record.value is None:
-                    continue
-                try:
-                    event = codec.decode(record.value)
-                except DecodeError as exc:
-                    DECODE_ERRORS.labels(topic=tp.topic).inc()
-                    log.warning(
-                        "undecodable record skipped",
-                        extra={"topic": tp.topic, "partition": tp.partition, "offset": record.offset,
-                               "reason": str(exc)},
-                    )
-                    continue
-                await handle(event, record)
+        backoff = await _handle_batches(consumer, codec, handle, batches, accepts, undecodable)
+        if backoff:
+            await asyncio.sleep(backoff)
         if on_batch_end is not None:
             await on_batch_end()
+
+
+async def _handle_batches(
+    consumer: AIOKafkaConsumer,
+    codec: EventCodec[E],
+    handle: Handler[E],
+    batches: dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]],
+    accepts: Callable[[TopicPartition], bool] | None,
+    undecodable: Undecodable | None,
+) -> float:
+    """Handle one fetch; returns how long to back off (a handler asked to retry later), else 0."""
+    pending = list(batches.items())
+    refused = 0.0
+    while pending:
+        tp, records = pending.pop(0)
+        for index, record in enumerate(records):
+            if accepts is not None and not accepts(tp):
+                _rewind(consumer, tp, record.offset)
+                refused = 0.05  # the caller is settling a rebalance: do not spin on the same records
+                break
+            if record.value is None:
+                continue
+            try:
+                event = codec.decode(record.value)
+            except DecodeError as exc:
+                DECODE_ERRORS.labels(topic=tp.topic).inc()
+                if undecodable is not None:
+                    await undecodable(record, exc)
+                else:
+                    log.warning("undecodable record skipped", extra={
+                        "topic": tp.topic, "partition": tp.partition, "offset": record.offset, "reason": str(exc)})
+                continue
+            try:
+                await handle(event, record)
+            except RetryLater as retry:
+                log.warning("record handling deferred", extra={"reason": str(retry), "delay_s": retry.delay_s,
+                                                               "partition": tp.partition, "offset": record.offset})
+                _rewind(consumer, tp, records[index].offset)
+                for other, rest in pending:
+                    _rewind(consumer, other, rest[0].offset)
+                return retry.delay_s
+    return refused

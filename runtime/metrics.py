@@ -21,7 +21,8 @@ KAFKA_HOP = Histogram(
 )
 
 DEAD_LETTERED = Counter(
-    "kns_dead_lettered_total", "Records a stream processor sent to the dead-letter topic", ["processor", "topic"]
+    "kns_dead_lettered_total", "Records sent to the dead-letter topic, by the service that could not read them",
+    ["processor", "topic"]
 )
 
 # --- gateway ------------------------------------------------------------------------------------------
@@ -38,6 +39,9 @@ GATEWAY_ITL = Histogram(
 GATEWAY_E2E = Histogram("kns_gateway_e2e_seconds", "Request received to last byte sent", buckets=_SLOW)
 GATEWAY_TOKENS_OUT = Counter("kns_gateway_tokens_out_total", "Completion tokens delivered to clients")
 GATEWAY_CANCELS = Counter("kns_gateway_cancels_total", "Cancel events produced for departed clients")
+GATEWAY_LEASE = Counter(
+    "kns_gateway_reply_lease_renewals_total", "Reply-partition lease renewals, by outcome", ["state"]
+)
 
 # --- relay --------------------------------------------------------------------------------------------
 RELAY_EVENTS = Counter("kns_relay_events_total", "Token events read from the reply partition", ["kind"])
@@ -64,6 +68,18 @@ WORKER_TXN = Histogram(
 )
 WORKER_TXN_BATCH = Histogram(
     "kns_worker_finalize_batch_size", "Requests finalized per transaction", buckets=(1, 2, 4, 8, 16, 32, 64)
+)
+WORKER_FINALIZE_FAILURES = Counter(
+    "kns_worker_finalize_failures_total", "Finalizing transactions that failed, by kind", ["kind"]
+)
+WORKER_TAKEOVERS = Counter(
+    "kns_worker_takeovers_total", "Requests taken over from an earlier attempt, by how", ["mode"]
+)
+WORKER_REBALANCES = Counter(
+    "kns_worker_rebalance_partitions_total", "Request partitions per rebalance outcome", ["outcome"]
+)
+WORKER_DEFERRED = Counter(
+    "kns_worker_admission_deferred_total", "Request records handed back to be retried later, by reason", ["reason"]
 )
 
 

@@ -34,6 +34,14 @@ class KafkaSettings(BaseModel):
     max_poll_interval_ms: int = 300_000
     transaction_timeout_ms: int = 60_000
 
+    @model_validator(mode="after")
+    def _coherent(self) -> KafkaSettings:
+        if self.heartbeat_interval_ms * 3 > self.session_timeout_ms:
+            raise ValueError(f"kafka.heartbeat_interval_ms ({self.heartbeat_interval_ms}) must be at most a third "
+                             f"of kafka.session_timeout_ms ({self.session_timeout_ms}), or a live member is "
+                             "taken for dead after one late heartbeat")
+        return self
+
     def topic(self, name: str) -> str:
         return f"{self.namespace}.{name}" if self.namespace else name
 
@@ -55,6 +63,9 @@ class RedisSettings(BaseModel):
     key_prefix: str = "kns:"
     max_connections: int = 128
     pool_timeout_s: float = 5.0
+    # Every command fails within this long when Redis stops answering, instead of hanging whoever waits on it.
+    socket_timeout_s: float = 2.0
+    connect_timeout_s: float = 1.0
 
 
 class ModelSettings(BaseModel):
@@ -129,16 +140,28 @@ class GatewaySettings(BaseModel):
     instance_id: str = ""
     max_body_bytes: int = 1 * 1024 * 1024
     reply_lease_ttl_s: float = 15.0
-    reply_lease_renew_s: float = 3.0
-    api_key_cache_ttl_s: float = 30.0
-    # A stream with no token event for this long ends with an error (a stalled or lost worker).
+    #: each renewal also refreshes this process's liveness key, which lives ``liveness_ttl_s``: a dead gateway's
+    #: streams are cancelled (and their billing stopped) that soon after it dies
+    reply_lease_renew_s: float = 1.0
+    liveness_ttl_s: float = 4.0
+    # A request must start generating within this long or a worker refuses it (queue_deadline_exceeded, not
+    # billed): the request carries the deadline, so every worker applies the same one. A tier may set its own
+    # (tenancy.tiers.<tier>.queue_deadline_s).
+    queue_deadline_s: float = 60.0
+    # After the deadline the gateway still waits this long for a first token (the prefill of a request started
+    # just in time) before it gives up on its own and cancels.
+    first_token_grace_s: float = 30.0
+    # After the first token: a stream with no token event for this long ends with an error (a stalled worker).
     stream_idle_timeout_s: float = 120.0
-    log_unknown_fields: bool = True
 
     @model_validator(mode="after")
     def _default_instance(self) -> GatewaySettings:
         if not self.instance_id:
             self.instance_id = f"{socket.gethostname()}:{self.port}"
+        for ttl in ("reply_lease_ttl_s", "liveness_ttl_s"):
+            if self.reply_lease_renew_s * 2 > getattr(self, ttl):
+                raise ValueError(f"gateway.reply_lease_renew_s ({self.reply_lease_renew_s}) must be at most half "
+                                 f"of gateway.{ttl} ({getattr(self, ttl)}): one late renewal would lose it")
         return self
 
 
@@ -149,18 +172,47 @@ class WorkerSettings(BaseModel):
     group: str = "inference-workers"
     # Cancels older than this at start-up are ignored: the requests they name are long gone.
     control_lookback_s: float = 600.0
-    # Static membership: a restarted worker gets its partitions back without a rebalance wait.
-    static_membership: bool = True
+    # Off: a static member does not leave the group when it stops, so a graceful stop (a rolling deploy) would
+    # hold its partitions for the whole session timeout. Sticky assignment keeps partitions in place instead.
+    static_membership: bool = False
     request_claim_ttl_s: int = 86_400
     finalize_batch_max: int = 64
-    # On SIGTERM running requests get this long to finish; the rest are aborted and redelivered.
+    # A finalizing transaction that keeps failing for this long (the broker unreachable) stops the worker: its
+    # supervisor restarts it and its partitions move, rather than it holding them with /health green.
+    finalize_give_up_s: float = 60.0
+    # A record that cannot be admitted now (request claims in Redis unreachable) is retried after this long.
+    admission_retry_s: float = 1.0
+    # On SIGTERM running requests get this long to finish; the rest are taken over by the partitions' next owner.
     drain_timeout_s: float = 20.0
+    # Generations whose gateway is gone (no liveness key) are cancelled after this long: nobody receives them.
+    # They are billed for what was emitted when the gateway was last seen alive.
+    presence_check_s: float = 1.0
+    unattended_grace_s: float = 3.0
 
     @model_validator(mode="after")
     def _default_instance(self) -> WorkerSettings:
         if not self.instance_id:
             self.instance_id = f"worker-{socket.gethostname()}-{self.admin_port}"
         return self
+
+
+class SupervisorSettings(BaseModel):
+    """How ``kns worker``, ``kns gateway`` and ``kns processor`` restart their service (``runtime/supervisor.py``)."""
+
+    first_delay_s: float = 1.0
+    max_delay_s: float = 30.0
+    #: a service that ran at least this long was healthy: the next restart waits ``first_delay_s`` again
+    stable_after_s: float = 60.0
+    #: after a stop signal the service gets this long (a worker drains its requests) before SIGKILL
+    stop_timeout_s: float = 30.0
+
+
+class FaultSettings(BaseModel):
+    """Fault injection for chaos runs and fault tests; off unless ``dir`` is set. A fault fires when a file
+    named after its point exists in ``dir`` (its content says what to do: ``kill``, ``sleep <s>``, ``error``);
+    the file is removed when it fires, so each arming fires once."""
+
+    dir: Path | None = None
 
 
 class ProcessorSettings(BaseModel):
@@ -200,19 +252,10 @@ class SafetySettings(BaseModel):
     embedding_neighbours: int = 1
 
 
-class TierLimit(BaseModel):
-    requests_per_minute: int
-    tokens_per_minute: int
-
-
 class AbuseSettings(BaseModel):
-    tiers: dict[str, TierLimit] = {
-        "free": TierLimit(requests_per_minute=30, tokens_per_minute=20_000),
-        "pro": TierLimit(requests_per_minute=600, tokens_per_minute=500_000),
-        "enterprise": TierLimit(requests_per_minute=6_000, tokens_per_minute=5_000_000),
-    }
     burst_window_s: float = 10.0
-    #: a key is flagged at this multiple of its tier's rate (per window), suspended at ``suspend_factor`` of it
+    #: a key is flagged at this multiple of its tier's rate (tenancy.tiers, per window), suspended at
+    #: ``suspend_factor`` of it
     burst_factor: float = 3.0
     suspend_factor: float = 2.0
     violations_window_s: float = 600.0
@@ -224,8 +267,55 @@ class AbuseSettings(BaseModel):
     addresses_flag: int = 5
     addresses_suspend: int = 20
 
-    def limit(self, tier: str) -> TierLimit:
-        return self.tiers.get(tier, self.tiers["free"])
+
+class TierPolicy(BaseModel):
+    #: the tier's rates (the abuse detector flags a key at a multiple of them)
+    requests_per_minute: int = Field(gt=0)
+    tokens_per_minute: int = Field(gt=0)
+    #: a request of the tier must start generating within this long (None: ``gateway.queue_deadline_s``)
+    queue_deadline_s: float | None = Field(default=None, gt=0)
+
+
+_TIER_DEFAULTS: dict[str, dict[str, object]] = {
+    "free": {"requests_per_minute": 30, "tokens_per_minute": 20_000, "queue_deadline_s": 30.0},
+    "plus": {"requests_per_minute": 600, "tokens_per_minute": 500_000},
+    "enterprise": {"requests_per_minute": 6_000, "tokens_per_minute": 5_000_000},
+}
+
+
+class TierTable(BaseModel):
+    """The service tiers an org can be on, lowest first (fields, so that ``KNS_TENANCY__TIERS__FREE__...`` changes
+    one tier's policy without dropping the others)."""
+
+    free: TierPolicy
+    plus: TierPolicy
+    enterprise: TierPolicy
+
+    @model_validator(mode="before")
+    @classmethod
+    def _over_defaults(cls, given: object) -> object:
+        # KNS_TENANCY__TIERS__FREE__QUEUE_DEADLINE_S arrives as {"free": {"queue_deadline_s": ...}}: the rest of
+        # that tier's policy (and the other tiers) keep their defaults.
+        if not isinstance(given, dict):
+            return given
+        merged: dict[str, object] = {}
+        for name, defaults in _TIER_DEFAULTS.items():
+            own = given.get(name) or {}
+            merged[name] = {**defaults, **(own.model_dump(exclude_unset=True) if isinstance(own, BaseModel) else own)}
+        return {**given, **merged}
+
+    def policies(self) -> dict[str, TierPolicy]:
+        return {name: getattr(self, name) for name in type(self).model_fields}
+
+    def policy(self, tier: str) -> TierPolicy:
+        """A tier's policy; an unknown tier (an old record's) gets the lowest."""
+        return self.policies().get(tier, self.free)
+
+
+class TenancySettings(BaseModel):
+    tiers: TierTable = Field(default_factory=lambda: TierTable.model_validate({}))
+    #: how long a lookup of an unknown key, or an admin change, waits for the registry view to catch up
+    catch_up_timeout_s: float = 2.0
 
 
 class StackSettings(BaseModel):
@@ -271,6 +361,10 @@ class StackSettings(BaseModel):
     def dev_key_file(self) -> Path:
         return self.root / "dev-api-key"
 
+    @property
+    def dev_admin_key_file(self) -> Path:
+        return self.root / "dev-admin-key"
+
 
 class ObservabilitySettings(BaseModel):
     log_level: str = "INFO"
@@ -294,6 +388,22 @@ class Settings(BaseSettings):
     processors: ProcessorSettings = Field(default_factory=ProcessorSettings)
     safety: SafetySettings = Field(default_factory=SafetySettings)
     abuse: AbuseSettings = Field(default_factory=AbuseSettings)
+    tenancy: TenancySettings = Field(default_factory=TenancySettings)
+    faults: FaultSettings = Field(default_factory=FaultSettings)
+    supervisor: SupervisorSettings = Field(default_factory=SupervisorSettings)
+
+    @model_validator(mode="after")
+    def _coherent(self) -> Settings:
+        # Settings that cannot work together fail at start-up, with what to change.
+        if self.worker.unattended_grace_s <= self.gateway.reply_lease_renew_s * 2:
+            raise ValueError(f"worker.unattended_grace_s ({self.worker.unattended_grace_s}) must exceed two gateway "
+                             f"lease renewals ({self.gateway.reply_lease_renew_s} s each): a Redis restart drops "
+                             "every gateway's liveness key until its next renewal")
+        if self.gateway.stream_idle_timeout_s * 1000 <= 2 * self.kafka.session_timeout_ms:
+            raise ValueError(f"gateway.stream_idle_timeout_s ({self.gateway.stream_idle_timeout_s}) must exceed "
+                             f"two Kafka session timeouts ({self.kafka.session_timeout_ms} ms each): a dead "
+                             "worker's streams pause that long before another worker takes them over")
+        return self
 
 
 def load_settings(**overrides: object) -> Settings:

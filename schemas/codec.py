@@ -19,7 +19,17 @@ from fastavro import parse_schema, schemaless_reader, schemaless_writer
 from fastavro.schema import fingerprint, to_parsing_canonical_form
 
 from schemas.errors import DecodeError
-from schemas.events import AbuseAlert, ChatRequest, ControlEvent, Event, SafetyVerdict, TokenEvent, UsageEvent
+from schemas.events import (
+    AbuseAlert,
+    ChatRequest,
+    ControlEvent,
+    Event,
+    KeyRecord,
+    OrgRecord,
+    SafetyVerdict,
+    TokenEvent,
+    UsageEvent,
+)
 
 AVRO_DIR = Path(__file__).parent / "avro"
 MAGIC = b"\xc3\x01"
@@ -33,6 +43,8 @@ SCHEMA_DIRS: dict[type[Event], str] = {
     UsageEvent: "usage_event",
     SafetyVerdict: "safety_verdict",
     AbuseAlert: "abuse_alert",
+    OrgRecord: "org_record",
+    KeyRecord: "key_record",
 }
 
 E = TypeVar("E", bound=Event)

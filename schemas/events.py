@@ -59,6 +59,8 @@ class ChatRequest(Event):
     conversation_id: str | None = None
     user: str | None = None
     client_addr: str | None = None
+    #: v2: generation must start before this time, or the request is refused (not generated, not billed)
+    deadline_at: datetime | None = None
 
     @property
     def partition_key(self) -> str:
@@ -88,10 +90,25 @@ class TokenEvent(Event):
     error: str | None = None
     worker_id: str
     emitted_at_us: int
+    #: v2: why a stream ended in error, for the gateway's status and OpenAI error code (see ``ErrorCode``)
+    error_code: str | None = None
 
     @property
     def is_final(self) -> bool:
         return self.finish_reason is not None
+
+
+class ErrorCode(enum.StrEnum):
+    """Machine-readable reasons a final token event carries with ``error`` (the gateway maps each to a status)."""
+
+    QUEUE_DEADLINE_EXCEEDED = "queue_deadline_exceeded"
+    GENERATION_FAILED = "generation_failed"
+    TOKEN_DELIVERY_FAILED = "token_delivery_failed"
+    STREAM_INCONSISTENT = "stream_inconsistent"
+    UNDECODABLE_REQUEST = "undecodable_request"
+    UNDECODABLE_EVENT = "undecodable_event"
+    STREAM_TIMEOUT = "stream_timeout"
+    GATEWAY_STOPPING = "gateway_stopping"
 
 
 class ControlAction(enum.StrEnum):
@@ -107,6 +124,8 @@ class ControlEvent(Event):
     reason: str
     issued_by: str
     issued_at: datetime
+    #: v2, on a gateway's cancel: the completion tokens its client had received (what is billed)
+    delivered_tokens: int | None = None
 
 
 class UsageEvent(Event):
@@ -164,6 +183,46 @@ class AbuseAlert(Event):
     window_s: float
     action: AbuseAction
     raised_at: datetime
+
+
+class LimitOverrides(Event):
+    """An org's own limits; None: its tier's."""
+
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    max_concurrent: int | None = None
+
+
+class OrgRecord(Event):
+    org_id: str
+    name: str
+    tier: str
+    limits: LimitOverrides = Field(default_factory=LimitOverrides)
+    monthly_budget_micros: int | None = None
+    budget_alert_fraction: float = 0.8
+    created_at: datetime
+    updated_at: datetime
+
+
+class KeyRecord(Event):
+    key_hash: str
+    key_id: str
+    org_id: str
+    name: str
+    admin: bool = False
+    models: list[str] = Field(default_factory=list)
+    expires_at: datetime | None = None
+    revoked_at: datetime | None = None
+    created_at: datetime
+
+    def revoked_by(self, now: datetime) -> bool:
+        return self.revoked_at is not None and self.revoked_at <= now
+
+    def expired_by(self, now: datetime) -> bool:
+        return self.expires_at is not None and self.expires_at <= now
+
+    def usable_at(self, now: datetime) -> bool:
+        return not self.revoked_by(now) and not self.expired_by(now)
 
 
 def utcnow() -> datetime:

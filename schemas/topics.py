@@ -10,7 +10,17 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from schemas.events import AbuseAlert, ChatRequest, ControlEvent, Event, SafetyVerdict, TokenEvent, UsageEvent
+from schemas.events import (
+    AbuseAlert,
+    ChatRequest,
+    ControlEvent,
+    Event,
+    KeyRecord,
+    OrgRecord,
+    SafetyVerdict,
+    TokenEvent,
+    UsageEvent,
+)
 
 HOUR_MS = 3_600_000
 DAY_MS = 24 * HOUR_MS
@@ -53,6 +63,8 @@ class TopicMap:
     usage: TopicSpec
     verdicts: TopicSpec
     alerts: TopicSpec
+    orgs: TopicSpec
+    keys: TopicSpec
     dead_letter: TopicSpec
 
     def all(self) -> list[TopicSpec]:
@@ -86,9 +98,13 @@ TOPICS = TopicMap(
         key="request_id (partition = the requesting gateway's reply partition)",
         partitions=16,
         retention_ms=1 * DAY_MS,
-        producers=("inference workers", "safety pre-filter (refusals)"),
+        producers=("inference workers (deltas idempotent; finals in per-request-partition transactions)",
+                   "safety pre-filter (refusals, expired and unreadable requests)"),
         consumers=("gateway SSE relays (one partition each)", "safety post-filter"),
         description="Token deltas and each request's final event; one partition per gateway instance.",
+        # The broker's clock, not each worker's: a takeover finds a request's events by time (from its creation,
+        # minus a margin for the gateway's clock) when their first offset is unknown.
+        extra_config={"message.timestamp.type": "LogAppendTime"},
     ),
     control=TopicSpec(
         name="llm.control.issued.v1",
@@ -131,13 +147,36 @@ TOPICS = TopicMap(
         description="Keys flagged or suspended by the abuse detector; compaction keeps one record per alert id.",
         cleanup_policy="compact,delete",
     ),
+    orgs=TopicSpec(
+        name="llm.tenancy.orgs.v1",
+        event=OrgRecord,
+        key="org_id",
+        partitions=1,
+        retention_ms=-1,
+        producers=("admin API and `kns orgs` (through the tenancy admin)",),
+        consumers=("every gateway (materialised in memory, from the beginning)",),
+        description="The org registry, the record of truth: each org's latest tier, limit overrides and budget.",
+        cleanup_policy="compact",
+    ),
+    keys=TopicSpec(
+        name="llm.tenancy.keys.v1",
+        event=KeyRecord,
+        key="key_hash (SHA-256 of the secret)",
+        partitions=1,
+        retention_ms=-1,
+        producers=("admin API and `kns keys` (through the tenancy admin)",),
+        consumers=("every gateway (materialised in memory, from the beginning)",),
+        description="The key registry, the record of truth: each secret's hash, org, expiry, models, revocation. "
+                    "A revocation reaches every gateway as one record, within the fetch latency.",
+        cleanup_policy="compact",
+    ),
     dead_letter=TopicSpec(
         name="llm.deadletter.v1",
         event=None,
         key="the original record's key",
         partitions=3,
         retention_ms=30 * DAY_MS,
-        producers=("stream processors",),
+        producers=("stream processors", "inference workers", "gateway relays"),
         consumers=("operators",),
         description="Records a processor could not decode, as they came; headers: reason, source partition/offset.",
     ),

@@ -18,7 +18,8 @@ import pytest
 import pytest_asyncio
 
 from ops.stack.provision import apply_schema, seed_prices
-from producers.gateway.keys import ApiKey, ApiKeyRegistry
+from producers.tenancy.admin import KeyCreate, open_admin
+from producers.tenancy.view import ApiKey
 from runtime.cassandra_client import connect
 from runtime.kafka_clients import ensure_topics, make_admin
 from runtime.settings import Settings, load_settings
@@ -109,21 +110,19 @@ def stack(settings: Settings) -> Iterator[Settings]:
 
 @pytest.fixture(scope="session")
 def make_caller(stack: Settings):  # type: ignore[no-untyped-def]
-    """Creates API keys in the test keyspace: ``make_caller(org, tier)``."""
-    cluster, session = connect(stack.cassandra, keyspace=stack.cassandra.keyspace)
+    """Issues API keys through the key registry: ``make_caller(org, tier, **key_options)``."""
 
-    def create(org: str = f"org-test-{SESSION}", tier: str = "pro") -> Caller:
-        async def go() -> tuple[str, ApiKey]:
-            registry = await ApiKeyRegistry.open(session, stack.cassandra.keyspace)
-            return await registry.create(org_id=org, tier=tier, name="test")
+    def create(org: str = f"org-test-{SESSION}", tier: str = "plus", **options: object) -> Caller:
+        async def go() -> Caller:
+            async with open_admin(stack) as admin:
+                issued = await admin.issue_key(org, tier, KeyCreate.model_validate(options))
+                return Caller(issued.secret, ApiKey(issued.record, admin.org(org)))
 
         # Sync and async tests both call this: run the coroutine on a thread with its own event loop.
         with ThreadPoolExecutor(1) as pool:
-            secret, key = pool.submit(asyncio.run, go()).result()
-        return Caller(secret, key)
+            return pool.submit(asyncio.run, go()).result()
 
-    yield create
-    cluster.shutdown()
+    return create
 
 
 @pytest.fixture(scope="session")

@@ -14,10 +14,9 @@ from pathlib import Path
 import httpx
 from aiokafka import TopicPartition
 
-from runtime.kafka_clients import all_partitions, make_consumer
+from runtime.kafka_clients import all_partitions, make_consumer, read_to_end
 from runtime.settings import REPO_ROOT, KafkaSettings
 from schemas.codec import EventCodec
-from schemas.errors import DecodeError
 from schemas.events import Event
 
 # One folder per test session port base: two sessions on one machine keep their own logs.
@@ -98,36 +97,8 @@ Row = tuple[TopicPartition, int, Event, list[tuple[str, bytes]]]
 
 async def read_topic(kafka: KafkaSettings, topic: str, codec: EventCodec[Event], *,
                      isolation: str = "read_committed") -> list[Row]:
-    """Everything currently in a topic (up to its end offsets), decoded. Under read_committed an open
-    transaction holds the reader back, so it also stops after a few empty polls."""
-    consumer = make_consumer(kafka, role="test-reader", isolation=isolation)  # type: ignore[arg-type]
-    await consumer.start()
-    try:
-        partitions = await all_partitions(consumer, topic)
-        consumer.assign(partitions)
-        await consumer.seek_to_beginning(*partitions)
-        ends = await consumer.end_offsets(partitions)
-        out = []
-        idle = 0
-        while idle < 3:
-            batch = await consumer.getmany(timeout_ms=300)
-            if not batch:
-                positions = [await consumer.position(tp) for tp in partitions]
-                if all(pos >= ends[tp] for pos, tp in zip(positions, partitions, strict=True)):
-                    break
-                idle += 1
-                continue
-            idle = 0
-            for tp, records in batch.items():
-                for r in records:
-                    try:
-                        event = codec.decode(r.value)
-                    except DecodeError:  # the dead-letter tests put garbage in topics on purpose
-                        continue
-                    out.append((tp, r.offset, event, list(r.headers or ())))
-        return out
-    finally:
-        await consumer.stop()
+    """Everything currently in a topic (up to its end offsets), decoded."""
+    return await read_to_end(kafka, topic, codec, isolation=isolation)  # type: ignore[arg-type]
 
 
 async def end_offsets(kafka: KafkaSettings, topic: str) -> dict[int, int]:

@@ -48,6 +48,7 @@ def up(
         console.print(
             f"\n[bold]Dev API key[/bold] (shown once; also in {manager.stack.dev_key_file}, mode 0600):\n"
             f"  {result.dev_key}\n"
+            f"An admin key for the admin API (/v1/admin/...) is in {manager.stack.dev_admin_key_file}.\n"
         )
     console.print(
         f"[green]stack up[/green] in {time.monotonic() - started:.1f} s — started: "

@@ -158,10 +158,13 @@ class StackManager:
             if only and service.name not in only:
                 continue
             self.report(f"stopping {service.name}")
-            if stop(self.pid_file(service), timeout_s=60 if service.infra else 30):
+            # An app is a supervisor that gives its child 30 s (a worker drains its requests), then up to 12 s to
+            # what the child leaves behind: 45 s covers both before the stack SIGKILLs what remains.
+            if stop(self.pid_file(service), timeout_s=60 if service.infra else 45):
                 stopped.append(service.name)
         if wipe:
-            for path in (self.stack.data_dir, self.stack.logs_dir, self.stack.dev_key_file):
+            stack = self.stack
+            for path in (stack.data_dir, stack.logs_dir, stack.dev_key_file, stack.dev_admin_key_file):
                 self.report(f"deleting {path}")
                 if path.is_dir():
                     shutil.rmtree(path)

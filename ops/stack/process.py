@@ -1,8 +1,9 @@
 """Start and stop exactly the processes the stack manager owns.
 
 A PID file holds the pid and the process's kernel start time, so a recycled pid is never mistaken for ours
-and ``down`` never signals a stranger. Each service runs in its own session (process group): stopping it
-stops its children too (vLLM's engine-core process, for instance).
+and ``down`` never signals a stranger. Each service runs in its own session (process group). Our own services are
+supervisors whose child runs in a process group of its own (``runtime.supervisor``): stopping a service therefore
+waits for its whole process tree, not only its group, and SIGKILLs what is left of both after the timeout.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+
+from runtime.reaper import Proc, descendants, is_alive, process_table, read_proc, send
 
 
 @dataclass(frozen=True)
@@ -78,26 +81,44 @@ def spawn(cmd: list[str], *, log_file: Path, pid_file: PidFile, env: dict[str, s
 
 
 def stop(pid_file: PidFile, *, timeout_s: float = 30.0) -> bool:
-    """SIGTERM the service's process group, SIGKILL it after ``timeout_s``. True if something was stopped."""
+    """SIGTERM the service's process group, SIGKILL what is left of its group and process tree after ``timeout_s``.
+    True if something was stopped. Returns once nothing of the service is left (or 10 s after the SIGKILL)."""
     pid = pid_file.live_pid()
-    if pid is None:
+    root = read_proc(pid) if pid is not None else None
+    if pid is None or root is None:
         pid_file.clear()
         return False
+    tracked = _service_tree(root, {})
     _signal_group(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         _reap(pid)
-        if not group_members(pid):
+        tracked = _service_tree(root, tracked)
+        if not any(is_alive(p) for p in tracked.values()):
             break
         time.sleep(0.1)
     else:
-        _signal_group(pid, signal.SIGKILL)
-        while group_members(pid) and time.monotonic() < deadline + 10:
+        if is_alive(root):
+            _signal_group(pid, signal.SIGKILL)
+        for proc in tracked.values():
+            send(proc, signal.SIGKILL)
+        while any(is_alive(p) for p in tracked.values()) and time.monotonic() < deadline + 10:
             _reap(pid)
             time.sleep(0.1)
     _reap(pid)
     pid_file.clear()
     return True
+
+
+def _service_tree(root: Proc, tracked: dict[int, Proc]) -> dict[int, Proc]:
+    """``tracked`` plus the service, its process group and its descendants (a supervised child runs in a group of
+    its own). Looked up only while the service process lives: after that its pid, and the group id, may be reused."""
+    if is_alive(root):
+        table = process_table()
+        tracked = {root.pid: root, **tracked}
+        tracked.update((p.pid, p) for p in table.values() if p.pgid == root.pid and not p.zombie)
+        tracked.update((p.pid, p) for p in descendants(root.pid, table))
+    return tracked
 
 
 def group_members(pgid: int) -> list[int]:

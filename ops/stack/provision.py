@@ -1,6 +1,8 @@
-"""Create what the services expect to find: the topics, the Cassandra schema, the dev API key.
+"""Create what the services expect to find: the topics, the Cassandra schema, the dev org with its API key and an
+operator's admin key.
 
-Every step is idempotent, so ``stack up`` runs them on every start.
+Every step is idempotent, so ``stack up`` runs them on every start. The price seed never edits a stored version: a
+seed row that differs from the one stored fails provisioning (add a new version instead).
 """
 
 from __future__ import annotations
@@ -12,16 +14,16 @@ from string import Template
 
 from cassandra.cluster import Session
 
-from billing.prices import PriceStore, load_seed
-from ops.stack.services import INFRA
-from producers.gateway.keys import ApiKeyRegistry, hash_key
-from runtime.cassandra_client import connect, execute
+from billing.prices import PriceLead, PriceRefused, PriceStore, load_seed
+from ops.stack.services import INFRA, StackError
+from producers.tenancy.admin import OPERATORS_ORG, KeyCreate, TenancyAdmin, open_admin
+from runtime.cassandra_client import connect
 from runtime.kafka_clients import ensure_topics
-from runtime.settings import CassandraSettings, Settings
+from runtime.settings import CassandraSettings, ProcessorSettings, Settings
 from schemas.topics import TOPICS
 
 DEV_ORG = "org-dev"
-DEV_TIER = "pro"
+DEV_TIER = "plus"
 
 
 def schema_statements(cassandra: CassandraSettings) -> list[str]:
@@ -42,34 +44,29 @@ def apply_schema(cassandra: CassandraSettings) -> None:
         cluster.shutdown()
 
 
-async def seed_prices(session: Session, keyspace: str) -> None:
-    store = await asyncio.to_thread(PriceStore, session, keyspace)
-    await store.seed(load_seed())
+async def seed_prices(session: Session, keyspace: str, processors: ProcessorSettings | None = None) -> None:
+    """The newest seed file into the price table; idempotent. ``processors`` gives the price reload interval the
+    minimum lead of a new seed version is derived from (default: the default interval)."""
+    lead = PriceLead((processors or ProcessorSettings()).price_reload_s)
+    store = await asyncio.to_thread(PriceStore, session, keyspace, lead)
+    try:
+        await store.seed(load_seed())
+    except PriceRefused as exc:
+        raise StackError(f"price seed refused: {exc}") from exc
 
 
-async def ensure_dev_key(session: Session, settings: Settings) -> tuple[str, bool]:
-    """The dev key from ``.local/dev-api-key``, registered in Cassandra; created when missing.
-
-    Returns (secret, created). The file is written with mode 0600.
-    """
-    path: Path = settings.stack.dev_key_file
-    registry = await ApiKeyRegistry.open(session, settings.cassandra.keyspace)
+async def ensure_key_file(admin: TenancyAdmin, path: Path, *, org_id: str, tier: str, key_id: str,
+                          admin_key: bool = False) -> tuple[str, bool]:
+    """The key whose secret is in ``path`` (mode 0600), registered in the key registry; created when the file is
+    missing. A file that survived a wiped stack registers its secret again. Returns (secret, created)."""
     existing = await asyncio.to_thread(_read_key, path)
     if existing is not None:
-        secret = existing
-        if await registry.lookup(secret) is not None:
-            return secret, False
-        # The file survived but the keyspace is new (wiped or renamed): register the same secret again.
-        await execute(
-            session,
-            f"INSERT INTO {settings.cassandra.keyspace}.api_keys "
-            "(key_hash, key_id, org_id, tier, name, revoked) VALUES (%s, %s, %s, %s, %s, false)",
-            (hash_key(secret), "key_dev", DEV_ORG, DEV_TIER, "dev"),
-        )
-        return secret, False
-    secret, _key = await registry.create(org_id=DEV_ORG, tier=DEV_TIER, name="dev")
-    await asyncio.to_thread(_write_key, path, secret)
-    return secret, True
+        await admin.register_secret(org_id, tier, existing,
+                                    key_id=key_id, name=path.name, admin=admin_key)
+        return existing, False
+    issued = await admin.issue_key(org_id, tier, KeyCreate(name=path.name, admin=admin_key))
+    await asyncio.to_thread(_write_key, path, issued.secret)
+    return issued.secret, True
 
 
 def _read_key(path: Path) -> str | None:
@@ -89,8 +86,12 @@ async def provision(settings: Settings) -> tuple[list[str], str, bool]:
     await asyncio.to_thread(apply_schema, settings.cassandra)
     cluster, session = await asyncio.to_thread(connect, settings.cassandra)
     try:
-        await seed_prices(session, settings.cassandra.keyspace)
-        secret, new = await ensure_dev_key(session, settings)
+        await seed_prices(session, settings.cassandra.keyspace, settings.processors)
     finally:
         await asyncio.to_thread(cluster.shutdown)
+    async with open_admin(settings) as admin:
+        secret, new = await ensure_key_file(admin, settings.stack.dev_key_file, org_id=DEV_ORG, tier=DEV_TIER,
+                                            key_id="key_dev")
+        await ensure_key_file(admin, settings.stack.dev_admin_key_file, org_id=OPERATORS_ORG, tier="enterprise",
+                              key_id="key_dev_admin", admin_key=True)
     return created, secret, new

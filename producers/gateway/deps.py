@@ -9,11 +9,13 @@ from fastapi import Depends, Request
 
 from billing.ledger import Ledger
 from producers.gateway.errors import ApiError, unauthorized
-from producers.gateway.keys import ApiKey, ApiKeyRegistry, KeySuspensions
+from producers.gateway.keys import KeySuspensions, hash_key
 from producers.gateway.prompt import PromptBuilder
 from producers.gateway.service import ChatService
 from producers.relay.claim import ReplyPartitionClaim
 from producers.relay.demux import Relay
+from producers.tenancy.admin import TenancyAdmin
+from producers.tenancy.view import ApiKey, Refusal, TenancyView
 from runtime.settings import Settings
 
 
@@ -22,7 +24,8 @@ class GatewayContext:
     """Everything the routes use, built once in the app's lifespan."""
 
     settings: Settings
-    keys: ApiKeyRegistry
+    tenancy: TenancyView
+    admin: TenancyAdmin
     suspensions: KeySuspensions
     ledger: Ledger
     prompts: PromptBuilder
@@ -38,8 +41,14 @@ def context(request: Request) -> GatewayContext:
 
 Context = Annotated[GatewayContext, Depends(context)]
 
+_REFUSALS = {
+    Refusal.UNKNOWN: ("Incorrect API key provided.", "invalid_api_key"),
+    Refusal.REVOKED: ("This API key has been revoked.", "invalid_api_key"),
+    Refusal.EXPIRED: ("This API key has expired.", "expired_api_key"),
+}
 
-async def authenticate(request: Request, ctx: Context) -> ApiKey:
+
+async def _key_of(request: Request, ctx: GatewayContext) -> ApiKey:
     header = request.headers.get("authorization", "")
     scheme, _, secret = header.partition(" ")
     if scheme.lower() != "bearer" or not secret.strip():
@@ -48,9 +57,18 @@ async def authenticate(request: Request, ctx: Context) -> ApiKey:
             "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).",
             code=None,
         )
-    key = await ctx.keys.lookup(secret.strip())
-    if key is None:
-        raise unauthorized("Incorrect API key provided.")
+    found = await ctx.tenancy.authenticate(hash_key(secret.strip()))
+    if isinstance(found, Refusal):
+        message, code = _REFUSALS[found]
+        raise unauthorized(message, code=code)
+    return found
+
+
+async def authenticate(request: Request, ctx: Context) -> ApiKey:
+    key = await _key_of(request, ctx)
+    if key.key.admin:
+        raise ApiError(403, "An admin key only works on the admin API (/v1/admin/...).", type="permission_error",
+                       code="admin_key_not_allowed")
     suspended = await ctx.suspensions.reason(key.key_id)
     if suspended is not None:
         raise ApiError(403, f"This API key is suspended ({suspended}). An operator can lift the suspension.",
@@ -58,4 +76,13 @@ async def authenticate(request: Request, ctx: Context) -> ApiKey:
     return key
 
 
+async def authenticate_admin(request: Request, ctx: Context) -> ApiKey:
+    key = await _key_of(request, ctx)
+    if not key.key.admin:
+        raise ApiError(403, "The admin API needs an admin key (`kns keys create-admin`).", type="permission_error",
+                       code="insufficient_permissions")
+    return key
+
+
 Caller = Annotated[ApiKey, Depends(authenticate)]
+Admin = Annotated[ApiKey, Depends(authenticate_admin)]

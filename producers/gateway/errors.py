@@ -10,22 +10,45 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from aiokafka.errors import KafkaError
 from cassandra import DriverException, RequestExecutionException
 from cassandra.cluster import NoHostAvailable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from producers.tenancy.admin import TenancyError
+
 log = logging.getLogger(__name__)
 
-#: Overload or outage of the stores the gateway reads before accepting a request (keys, suspensions, limits).
+#: Overload or outage of the stores the gateway reads before accepting a request (suspensions, limits) or writes
+#: an admin change to (the registry topics).
 DEPENDENCY_ERRORS: tuple[type[Exception], ...] = (
     RedisConnectionError, RedisTimeoutError, NoHostAvailable, RequestExecutionException, DriverException,
+    KafkaError,
 )
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error, for ``/openapi.json`` (:meth:`ApiError.body` writes it)."""
+
+    error: ErrorDetail
+
+
+def error_responses(described: dict[int, str]) -> dict[int | str, dict[str, Any]]:
+    """A route's ``responses=`` for its error statuses: each one OpenAI's error body, with what it means."""
+    return {status: {"model": ErrorResponse, "description": text} for status, text in described.items()}
 
 
 class ApiError(Exception):
@@ -71,6 +94,18 @@ def model_not_found(model: str) -> ApiError:
     )
 
 
+def model_not_allowed(model: str) -> ApiError:
+    return ApiError(403, f"This API key is not allowed to use the model `{model}`.", type="permission_error",
+                    param="model", code="model_not_allowed")
+
+
+def unrecognized(names: list[str]) -> ApiError:
+    """OpenAI's answer to a field it does not know (its wording, with the field as ``param``)."""
+    plural = "s" if len(names) > 1 else ""
+    return bad_request(f"Unrecognized request argument{plural} supplied: {', '.join(names)}", param=names[0],
+                       code="unknown_parameter")
+
+
 def unavailable(message: str) -> ApiError:
     return ApiError(503, message, type="server_error", code="service_unavailable")
 
@@ -81,8 +116,19 @@ def from_validation(exc: ValidationError | RequestValidationError) -> ApiError:
     errors = exc.errors()
     if not errors:
         return bad_request("Invalid request body.")
+    # Argument names are checked before values, as OpenAI does: every top-level unknown field is named at once.
+    top_level = [_param_path(e["loc"]) for e in errors if e.get("type") == "extra_forbidden" and _is_field(e["loc"])]
+    if top_level:
+        return unrecognized(top_level)
     first = max(errors, key=lambda e: len(e.get("loc", ())))
     path = _param_path(first.get("loc", ()))
+    # Our own validators (PydanticCustomError) name the parameter and the OpenAI code in the error's context.
+    context = first.get("ctx") or {}
+    if "code" in context:
+        return bad_request(first.get("msg", "invalid value"), param=context.get("param") or path or None,
+                           code=str(context["code"]))
+    if first.get("type") == "extra_forbidden":
+        return unrecognized([path])
     message = first.get("msg", "invalid value").removeprefix("Value error, ")
     if first.get("type") == "missing":
         message = f"Missing required parameter: '{path}'."
@@ -95,15 +141,20 @@ def from_validation(exc: ValidationError | RequestValidationError) -> ApiError:
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
+def _is_field(loc: tuple[int | str, ...] | list[int | str]) -> bool:
+    """A field of the request body itself (not one inside a message or a part)."""
+    return len([part for part in loc if part not in ("body", "query")]) == 1
+
+
 def _param_path(loc: tuple[int | str, ...] | list[int | str]) -> str:
     """``("body", "messages", 0, "content", "str")`` → ``messages.0.content``: pydantic also names the union
-    branch it tried ("str", "list[TextPart]"), which is no part of the client's JSON."""
+    branch it tried ("str", "list[TextPart]", "constrained-str"), which is no part of the client's JSON."""
     parts: list[str] = []
     for part in loc:
         text = str(part)
         if text in ("body", "query") and not parts:
             continue
-        if isinstance(part, str) and ("[" in text or text in _UNION_TAGS):
+        if isinstance(part, str) and ("[" in text or text in _UNION_TAGS or text.startswith("constrained-")):
             continue
         parts.append(text)
     return ".".join(parts)
@@ -114,6 +165,10 @@ def install(app: FastAPI) -> None:
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
         return exc.response()
 
+    @app.exception_handler(TenancyError)
+    async def _tenancy(_request: Request, exc: TenancyError) -> JSONResponse:
+        return ApiError(exc.status, exc.message, param=exc.param, code=exc.code).response()
+
     @app.exception_handler(RequestValidationError)
     async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
         return from_validation(exc).response()
@@ -121,7 +176,9 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
         codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
-        return ApiError(exc.status_code, str(exc.detail), code=codes.get(exc.status_code)).response()
+        # Starlette's headers matter: a 405 must say which methods are allowed (``Allow``, RFC 9110).
+        return ApiError(exc.status_code, str(exc.detail), code=codes.get(exc.status_code),
+                        headers=dict(exc.headers) if exc.headers else None).response()
 
     async def _dependency_down(request: Request, exc: Exception) -> JSONResponse:
         # Redis or Cassandra overloaded or unreachable: the request was not accepted (nothing produced), so the

@@ -1,5 +1,5 @@
-"""The API key registry (SHA-256 hashes of keys in Cassandra, each with its organisation and tier) and the
-suspensions the abuse detector imposes on keys.
+"""API key secrets (only their SHA-256 is ever stored: the key registry topic is keyed by it) and the suspensions
+the abuse detector imposes on keys.
 
 Keys are 256-bit random secrets, so one unsalted SHA-256 is the right hash (a slow password hash protects
 low-entropy secrets; these are not). The secret is shown once, when it is created.
@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import secrets
-import time
-from dataclasses import dataclass
 
 from cassandra.cluster import Session
 from redis.asyncio import Redis
@@ -24,65 +22,12 @@ from schemas.events import utcnow
 KEY_PREFIX = "sk-kns-"
 
 
-@dataclass(frozen=True)
-class ApiKey:
-    key_id: str
-    org_id: str
-    tier: str
-    name: str
-
-
 def hash_key(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
 def new_secret() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(32)
-
-
-class ApiKeyRegistry:
-    def __init__(self, session: Session, keyspace: str, *, cache_ttl_s: float = 30.0) -> None:
-        self._session = session
-        self._keyspace = keyspace
-        self._ttl = cache_ttl_s
-        self._cache: dict[str, tuple[float, ApiKey | None]] = {}
-        self._lookup_stmt = session.prepare(
-            f"SELECT key_id, org_id, tier, name, revoked FROM {keyspace}.api_keys WHERE key_hash = ?"
-        )
-        self._insert_stmt = session.prepare(
-            f"INSERT INTO {keyspace}.api_keys (key_hash, key_id, org_id, tier, name, created_at, revoked) "
-            "VALUES (?, ?, ?, ?, ?, ?, false)"
-        )
-
-    @classmethod
-    async def open(cls, session: Session, keyspace: str, *, cache_ttl_s: float = 30.0) -> ApiKeyRegistry:
-        # Preparing statements is a blocking round trip: keep it off the event loop.
-        return await asyncio.to_thread(cls, session, keyspace, cache_ttl_s=cache_ttl_s)
-
-    async def create(self, *, org_id: str, tier: str, name: str) -> tuple[str, ApiKey]:
-        secret = new_secret()
-        key = ApiKey(key_id="key_" + secrets.token_hex(6), org_id=org_id, tier=tier, name=name)
-        await execute(
-            self._session, self._insert_stmt,
-            (hash_key(secret), key.key_id, key.org_id, key.tier, key.name, utcnow()),
-        )
-        return secret, key
-
-    async def lookup(self, secret: str) -> ApiKey | None:
-        digest = hash_key(secret)
-        now = time.monotonic()
-        cached = self._cache.get(digest)
-        if cached is not None and cached[0] > now:
-            return cached[1]
-        rows = await execute(self._session, self._lookup_stmt, (digest,))
-        key = None
-        if rows and not rows[0]["revoked"]:
-            row = rows[0]
-            key = ApiKey(key_id=row["key_id"], org_id=row["org_id"], tier=row["tier"], name=row["name"] or "")
-        if len(self._cache) > 10_000:
-            self._cache.clear()
-        self._cache[digest] = (now + self._ttl, key)
-        return key
 
 
 class KeySuspensions:

@@ -1,4 +1,4 @@
-"""Entry point of one gateway process: ``kns gateway``."""
+"""Entry point of one gateway process (``python -m producers.gateway.main``; ``kns gateway`` supervises it)."""
 
 from __future__ import annotations
 
@@ -20,3 +20,7 @@ def run() -> None:
         access_log=False,
         timeout_graceful_shutdown=10,
     )
+
+
+if __name__ == "__main__":  # ``kns gateway`` supervises this
+    run()

@@ -1,28 +1,47 @@
 """OpenAI wire models for ``/v1/chat/completions`` (with vLLM's sampling extensions) and ``/v1/models``.
 
 Requests are validated here (types and ranges); rules that need the tokenizer or the model card (context
-length) live in ``prompt.py``. Unknown fields are accepted and logged, as OpenAI's API and vLLM do.
+length) live in ``prompt.py``. Nothing a client sends is silently ignored: an OpenAI parameter we do not implement
+is refused with a 400 naming it unless its value asks for nothing (:data:`UNSUPPORTED`, the one list), and a field
+no OpenAI API knows gets OpenAI's "Unrecognized request argument supplied". The OpenAPI schema of the request
+(:func:`chat_request_schema`) is built from the same model and list, so the document says what is accepted.
 """
 
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+import orjson
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 ALLOWED_ROLES = ("system", "developer", "user", "assistant")
 
 
+# Every request model is strict: a JSON value of another type is an error ("4" or true is not an integer), as
+# OpenAI answers, instead of pydantic's coercion.
+
+
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
     type: Literal["text"]
     text: str
 
 
 class ChatMessageIn(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow")
 
-    role: str
+    role: Annotated[str, WithJsonSchema({"type": "string", "enum": list(ALLOWED_ROLES)})]
     content: str | list[TextPart]
     name: str | None = None
 
@@ -40,40 +59,149 @@ class ChatMessageIn(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
+@dataclass(frozen=True)
+class Unsupported:
+    """An OpenAI parameter we do not implement. ``no_ops`` are the values that ask for exactly what we do anyway
+    (its absence, an empty list, OpenAI's default...): those are accepted and dropped, any other is a 400."""
+
+    no_ops: tuple[Any, ...] = (None,)
+    hint: str = ""
+
+    def accepts(self, value: Any) -> bool:
+        return any(_same_json(value, no_op) for no_op in self.no_ops)
+
+    def message(self, name: str) -> str:
+        accepted = " or ".join(orjson.dumps(v).decode() for v in self.no_ops)
+        hint = f" {self.hint}" if self.hint else ""
+        return f"Unsupported parameter: '{name}' is not supported by this server; only {accepted} is accepted.{hint}"
+
+
+#: Every OpenAI chat-completions parameter this server does not implement (OpenAI's API reference, as of
+#: openai-python 3.54's ``CompletionCreateParams``), with the values that are no-ops. The request model, its error
+#: and the OpenAPI schema all read this table: a parameter starts working by leaving it for a real field.
+UNSUPPORTED: dict[str, Unsupported] = {
+    # tool and function calling: an empty tool list, or "none", asks for plain text
+    "tools": Unsupported((None, [])),
+    "tool_choice": Unsupported((None, "none")),
+    "functions": Unsupported((None, [])),
+    "function_call": Unsupported((None, "none")),
+    # meaningless without tools, and the only tool list accepted is empty
+    "parallel_tool_calls": Unsupported((None, True, False)),
+    # output shape: JSON mode, structured outputs and log-probabilities would come back as plain text
+    "response_format": Unsupported((None, {"type": "text"})),
+    "logprobs": Unsupported((None, False)),
+    "top_logprobs": Unsupported((None, 0)),
+    "logit_bias": Unsupported((None, {})),
+    "modalities": Unsupported((None, ["text"])),
+    "audio": Unsupported(),
+    "prediction": Unsupported(),
+    "web_search_options": Unsupported(),
+    "verbosity": Unsupported(),
+    # SmolLM2 does not reason: "none" is what it does
+    "reasoning_effort": Unsupported((None, "none")),
+    # OpenAI platform features: one service tier, nothing stored, no moderation settings
+    "service_tier": Unsupported((None, "auto", "default")),
+    "store": Unsupported((None, False)),
+    "metadata": Unsupported((None, {})),
+    "moderation": Unsupported(),
+    "prompt_cache_key": Unsupported(hint="Use conversation_id to keep a conversation's turns on one worker's "
+                                         "prefix cache."),
+    "prompt_cache_retention": Unsupported(),
+    "prompt_cache_options": Unsupported(),
+    "safety_identifier": Unsupported(hint="Use user to identify the end user."),
+}
+
+#: Bounds of the event schema's Avro int and long (``schemas/avro/chat_request``).
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _integral(value: Any) -> Any:
+    """JSON Schema's integer includes ``4.0`` (a number without a fraction), which strict pydantic refuses. Beyond
+    2**53 a float is no longer exact: orjson reads an integer outside 64 bits as one, and rounding it could bring
+    it back in range, so such floats stay floats (and are refused)."""
+    if isinstance(value, float) and value.is_integer() and abs(value) <= 2**53:
+        return int(value)
+    return value
+
+
+#: After the constraints in ``Annotated[int, Field(...), INTEGRAL]``: placed before them, pydantic would write
+#: ``ge`` instead of ``minimum`` into the JSON schema.
+INTEGRAL = BeforeValidator(_integral)
+#: Declared by its format: FastAPI's OpenAPI model turns bounds into floats, and 2**63 - 1 would read 2**63.
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX), INTEGRAL,
+                  WithJsonSchema({"type": "integer", "format": "int64"})]
+#: An empty stop string would stop nothing; the engine refuses it (after the request was accepted).
+StopString = Annotated[str, Field(min_length=1)]
+
+
+def _same_json(a: Any, b: Any) -> bool:
+    """JSON equality: ``false`` is not ``0`` (Python's ``False == 0`` is), ``1`` is ``1.0``."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, int | float) and isinstance(b, int | float):
+        return a == b
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same_json(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_json(a[k], b[k]) for k in a)
+    return type(a) is type(b) and bool(a == b)
+
+
+def _declare_unsupported(schema: dict[str, Any]) -> None:
+    """JSON schema of the request: each unsupported parameter with its accepted values only, and the one rule
+    between fields that JSON Schema can say (stream_options only with stream: true)."""
+    properties = schema.setdefault("properties", {})
+    for name, rule in UNSUPPORTED.items():
+        properties[name] = {"enum": list(rule.no_ops), "description": rule.message(name)}
+    schema["dependentSchemas"] = {"stream_options": {"anyOf": [
+        {"properties": {"stream": {"const": True}}, "required": ["stream"]},
+        {"properties": {"stream_options": {"type": "null"}}},
+    ]}}
+
+
 class ChatCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # A field that is neither ours nor in UNSUPPORTED is an error (errors.from_validation words it as OpenAI).
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=_declare_unsupported)
 
     model: str
     messages: Annotated[list[ChatMessageIn], Field(min_length=1)]
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    n: Annotated[int, Field(ge=1, le=1)] = 1
-    seed: int | None = None
-    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    n: Annotated[int, Field(ge=1, le=1), INTEGRAL] = 1
+    seed: Int64 | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=4)] | None = None
     user: str | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     # vLLM's sampling extensions, so that `vllm bench serve` runs unchanged
     ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0)] = 0
-    top_k: int | None = None
+    min_tokens: Annotated[int, Field(ge=0), INTEGRAL] = 0
+    # -1 or 0 disable it; the bound is the event schema's (an Avro int)
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX), INTEGRAL] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
     # ours: turns of one conversation share a partition (and a worker's prefix cache)
     conversation_id: Annotated[str, Field(min_length=1, max_length=128)] | None = None
 
-    @field_validator("top_k")
+    @model_validator(mode="before")
     @classmethod
-    def _top_k(cls, value: int | None) -> int | None:
-        if value is not None and value < -1:
-            raise ValueError("top_k must be -1 (disabled), 0 (disabled) or a positive integer")
-        return value
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for name, rule in UNSUPPORTED.items():
+            if name in data and not rule.accepts(data[name]):
+                raise PydanticCustomError("unsupported_parameter", rule.message(name),
+                                          {"param": name, "code": "unsupported_parameter"})
+        return {k: v for k, v in data.items() if k not in UNSUPPORTED}
 
     @model_validator(mode="after")
     def _coherent(self) -> ChatCompletionRequest:
@@ -95,8 +223,90 @@ class ChatCompletionRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def unknown_fields(self) -> list[str]:
-        return sorted((self.model_extra or {}).keys())
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+    refusal: None
+
+
+class Choice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None
+    finish_reason: str
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class ChatCompletion(BaseModel):
+    """The non-streaming answer as ``producers.relay.sse.completion`` writes it, for ``/openapi.json``."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    system_fingerprint: str | None
+
+
+class ChunkDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int
+    delta: ChunkDelta
+    logprobs: None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One streamed event as ``producers.relay.sse.ChunkFormatter`` writes it, for ``/openapi.json``; ``usage``
+    only with ``stream_options.include_usage`` (null on token chunks, set on the last one, whose choices are
+    empty)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+def chat_request_schema() -> dict[str, Any]:
+    return openapi_schema(ChatCompletionRequest)
+
+
+def openapi_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """A model's JSON schema for a route's ``openapi_extra``, self-contained: an operation cannot add
+    ``components``, and pydantic's ``#/$defs/...`` references would point at the document's root."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            if "$ref" in node:
+                target = copy.deepcopy(defs[node["$ref"].rsplit("/", 1)[-1]])
+                return inline({**target, **{k: v for k, v in node.items() if k != "$ref"}})
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    result: dict[str, Any] = inline(schema)
+    return result
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

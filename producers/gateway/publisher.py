@@ -17,6 +17,7 @@ from runtime.settings import KafkaSettings
 from runtime.tracing import to_headers
 from schemas.codec import codec_for
 from schemas.events import ChatRequest, ControlAction, ControlEvent, utcnow
+from schemas.headers import request_headers
 from schemas.topics import TopicSpec
 
 
@@ -37,15 +38,18 @@ class EventPublisher:
                 self._request_topic,
                 value=self._requests.encode(request),
                 key=request.partition_key.encode(),
-                headers=to_headers(traceparent),
+                # Readable without the schema: a worker that cannot decode the body can still answer the client.
+                headers=[*to_headers(traceparent), *request_headers(request.request_id, request.reply.partition)],
                 timestamp_ms=int(time.time() * 1000),
             )
         except KafkaError as exc:
             raise unavailable(f"The request queue is unavailable ({type(exc).__name__}); retry shortly.") from exc
 
-    async def cancel(self, request_id: str, reason: str, traceparent: str | None = None) -> None:
+    async def cancel(self, request_id: str, reason: str, traceparent: str | None = None,
+                     delivered_tokens: int | None = None) -> None:
+        """Tell the workers to stop generating a request; ``delivered_tokens``: what its client received (billed)."""
         event = ControlEvent(request_id=request_id, action=ControlAction.CANCEL, reason=reason,
-                             issued_by=self._gateway_id, issued_at=utcnow())
+                             issued_by=self._gateway_id, issued_at=utcnow(), delivered_tokens=delivered_tokens)
         await self._producer.send_and_wait(
             self._control_topic, value=self._controls.encode(event), key=request_id.encode(),
             headers=to_headers(traceparent) if traceparent else None,

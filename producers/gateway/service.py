@@ -2,8 +2,13 @@
 
 Order matters: the request is registered with the relay *before* it is produced (its first token could
 otherwise arrive unrouted), and every exit path — finished, client gone, timeout, error — unregisters it.
-A client that leaves before the final event gets a cancel event on the control topic, so the worker stops
-generating for nobody.
+Whenever the stream ends without the worker's own final event (the client left, the gateway gave up waiting,
+the stream turned out inconsistent), a cancel event goes to the control topic, so no worker generates (and
+bills) for nobody.
+
+Waiting: the request carries its queue deadline (``deadline_at``): a worker refuses it after that. The gateway
+waits for the first token until a grace period after the deadline, then for each next token up to the idle
+timeout.
 """
 
 from __future__ import annotations
@@ -12,17 +17,18 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 
-from producers.gateway.errors import ApiError, bad_request, model_not_found
-from producers.gateway.keys import ApiKey
+from producers.gateway.errors import ApiError, bad_request, model_not_allowed, model_not_found
 from producers.gateway.prompt import PromptBuilder, to_event_messages
 from producers.gateway.protocol import ChatCompletionRequest, usage_dict
 from producers.gateway.publisher import EventPublisher
 from producers.relay.collector import Delta, StreamCollector
 from producers.relay.demux import Relay
 from producers.relay.sse import DONE, ChunkFormatter, completion, error_event
+from producers.tenancy.view import ApiKey
 from runtime.metrics import (
     GATEWAY_E2E,
     GATEWAY_IN_FLIGHT,
@@ -31,8 +37,8 @@ from runtime.metrics import (
     GATEWAY_TOKENS_OUT,
     GATEWAY_TTFT,
 )
-from runtime.settings import GatewaySettings
-from schemas.events import ChatRequest, ReplyTo, TokenUsage, utcnow
+from runtime.settings import GatewaySettings, TierPolicy
+from schemas.events import ChatRequest, ErrorCode, ReplyTo, TokenUsage, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +56,8 @@ class Accepted:
     include_usage: bool
     received_at: float
     created: int = field(default_factory=lambda: int(time.time()))
+    #: the request's queue deadline (its tier's); the gateway waits for a first token until its grace after it
+    queue_deadline_s: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
     finished: bool = False
@@ -61,13 +69,20 @@ class Accepted:
 
 class ChatService:
     def __init__(self, gateway: GatewaySettings, prompts: PromptBuilder, publisher: EventPublisher,
-                 relay: Relay, reply_partition: int) -> None:
+                 relay: Relay, reply_partition: int, gateway_id: str, *,
+                 tiers: Mapping[str, TierPolicy] | None = None) -> None:
         self._settings = gateway
+        self._tiers = dict(tiers or {})
         self._prompts = prompts
         self._publisher = publisher
         self._relay = relay
-        self._reply = ReplyTo(partition=reply_partition, gateway_id=gateway.instance_id)
+        self._reply = ReplyTo(partition=reply_partition, gateway_id=gateway_id)
         self._background: set[asyncio.Task[None]] = set()
+
+    def queue_deadline_s(self, tier: str) -> float:
+        policy = self._tiers.get(tier)
+        own = policy.queue_deadline_s if policy is not None else None
+        return own if own is not None else self._settings.queue_deadline_s
 
     # --- 1. accept ------------------------------------------------------------------------------------
 
@@ -76,12 +91,16 @@ class ChatService:
         received_at = time.perf_counter()
         if body.model != self._prompts.card.served_name:
             raise model_not_found(body.model)
+        if not key.allows_model(body.model):
+            raise model_not_allowed(body.model)
         messages = to_event_messages(body)
         prompt_ids = await asyncio.to_thread(self._prompts.render, messages)
         sampling = self._prompts.sampling(body, len(prompt_ids))
+        created_at = utcnow()
         request = ChatRequest(
             request_id=f"chatcmpl-{uuid.uuid4().hex}",
-            created_at=utcnow(),
+            created_at=created_at,
+            deadline_at=created_at + timedelta(seconds=self.queue_deadline_s(key.tier)),
             org_id=key.org_id,
             key_id=key.key_id,
             tier=key.tier,
@@ -100,20 +119,33 @@ class ChatService:
             await self._publisher.submit(request, traceparent)
         except BaseException:
             self._relay.unregister(request.request_id)
+            # The produce may have failed after the record reached the log (a lost ack): no worker may generate it.
+            self._spawn(self._cancel(request.request_id, "not accepted", traceparent, 0))
             raise
         GATEWAY_IN_FLIGHT.inc()
         log.info("request submitted", extra={"request_id": request.request_id, "prompt_tokens": len(prompt_ids),
                                              "max_tokens": sampling.max_tokens, "stream": body.stream})
-        return Accepted(request, collector, traceparent, body.include_usage, received_at)
+        return Accepted(request, collector, traceparent, body.include_usage, received_at,
+                        queue_deadline_s=self.queue_deadline_s(key.tier))
 
     # --- 2. answer ------------------------------------------------------------------------------------
 
+    def _patience(self, accepted: Accepted) -> float:
+        """How long to wait for the next delta: the first token until the deadline's grace, then the idle gap."""
+        if accepted.first_token_at is None:
+            deadline_s = accepted.queue_deadline_s or self._settings.queue_deadline_s
+            return accepted.received_at + deadline_s + self._settings.first_token_grace_s - time.perf_counter()
+        return self._settings.stream_idle_timeout_s
+
     async def _next(self, accepted: Accepted) -> Delta:
+        patience = self._patience(accepted)
         try:
-            delta = await asyncio.wait_for(accepted.collector.get(), self._settings.stream_idle_timeout_s)
+            delta = await asyncio.wait_for(accepted.collector.get(), max(patience, 0.0))
         except TimeoutError:
-            return Delta(finish_reason="error",
-                         error=f"no token arrived for {self._settings.stream_idle_timeout_s:.0f} s")
+            # The gateway gives up on its own: accepted.finished stays false, so _close cancels the generation.
+            waited = "a first token" if accepted.first_token_at is None else "the next token"
+            return Delta(finish_reason="error", error=f"no worker produced {waited} within {patience:.0f} s",
+                         error_code=ErrorCode.STREAM_TIMEOUT)
         if delta.token_count:
             now = time.perf_counter()
             if accepted.first_token_at is None:
@@ -123,7 +155,7 @@ class ChatService:
                 GATEWAY_ITL.observe(now - accepted.last_token_at)
             accepted.last_token_at = now
             GATEWAY_TOKENS_OUT.inc(delta.token_count)
-        if delta.finished:
+        if delta.from_worker:
             accepted.finished = True
         return delta
 
@@ -194,18 +226,24 @@ class ChatService:
         log.info("request answered", extra={"request_id": accepted.request_id, "outcome": outcome,
                                             "ttft_ms": round(ttft * 1000, 1) if ttft else None,
                                             "e2e_ms": round(elapsed * 1000, 1)})
-        if not accepted.finished:
-            # The client is gone (or timed out): tell the worker. A task, because this frame is being cancelled.
-            task = asyncio.create_task(self._cancel(accepted), name=f"cancel-{accepted.request_id}")
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+        if not accepted.finished or outcome == "error":
+            # The client is gone, the gateway gave up, or the stream ended in error (possibly before a worker even
+            # started it): no worker may go on generating it. A task, because this frame is being cancelled.
+            reason = "the stream ended in error" if outcome == "error" else "client disconnected"
+            self._spawn(self._cancel(accepted.request_id, reason, accepted.traceparent,
+                                     accepted.collector.delivered))
 
-    async def _cancel(self, accepted: Accepted) -> None:
+    def _spawn(self, coro: Coroutine[object, object, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _cancel(self, request_id: str, reason: str, traceparent: str | None, delivered: int) -> None:
         try:
-            await self._publisher.cancel(accepted.request_id, "client disconnected", accepted.traceparent)
-            log.info("cancel produced", extra={"request_id": accepted.request_id})
+            await self._publisher.cancel(request_id, reason, traceparent, delivered)
+            log.info("cancel produced", extra={"request_id": request_id, "reason": reason})
         except Exception:
-            log.exception("could not produce a cancel", extra={"request_id": accepted.request_id})
+            log.exception("could not produce a cancel", extra={"request_id": request_id})
 
     async def drain(self) -> None:
         if self._background:
@@ -218,6 +256,19 @@ def _usage(accepted: Accepted, usage: TokenUsage | None) -> dict[str, object]:
     return usage_dict(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
 
 
+#: a stream that ended in error → (HTTP status, OpenAI error code); 502: the generation behind the gateway failed
+STREAM_ERRORS: dict[str, tuple[int, str]] = {
+    ErrorCode.QUEUE_DEADLINE_EXCEEDED: (503, "queue_deadline_exceeded"),
+    ErrorCode.UNDECODABLE_REQUEST: (503, "service_unavailable"),
+    ErrorCode.GATEWAY_STOPPING: (503, "service_unavailable"),
+    ErrorCode.STREAM_TIMEOUT: (504, "timeout"),
+}
+
+
 def _generation_failed(delta: Delta) -> ApiError:
-    return ApiError(502, f"The generation failed: {delta.error or delta.finish_reason}", type="server_error",
-                    code="generation_failed")
+    status, code = STREAM_ERRORS.get(delta.error_code or "", (502, delta.error_code or "generation_failed"))
+    if delta.error_code == ErrorCode.QUEUE_DEADLINE_EXCEEDED:
+        message = f"The service is overloaded: {delta.error}. Retry later."
+    else:
+        message = f"The generation failed: {delta.error or delta.finish_reason}"
+    return ApiError(status, message, type="server_error", code=code)

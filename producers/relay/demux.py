@@ -7,8 +7,11 @@ whose client already left) are counted and dropped.
 
 The relay reads ``read_uncommitted``: token deltas are not transactional (a transaction per token would
 cost milliseconds each) and only a request's final event rides in the worker's transaction; waiting for
-that transaction would stall every stream behind it. Duplicates from a retried attempt are dropped by
-``(attempt, seq)`` in the collector.
+that transaction would stall every stream behind it. A final the client saw from a transaction that then
+aborted is still the outcome: the worker retries the same commit, or the request's next owner finalizes what
+the log shows (``inference_workers/prefix.py``). Which events count is the collector's
+(``schemas/token_stream.py``). A record this gateway cannot decode is dead-lettered, and its request (the
+record key) ends at once with an error rather than waiting out a timeout.
 """
 
 from __future__ import annotations
@@ -20,18 +23,22 @@ import time
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 
 from producers.relay.collector import StreamCollector
+from runtime.dead_letters import DeadLetters
 from runtime.kafka_clients import consume, make_consumer
 from runtime.metrics import KAFKA_HOP, RELAY_EVENTS, RELAY_STREAMS
 from runtime.settings import KafkaSettings
 from schemas.codec import codec_for
-from schemas.events import TokenEvent
+from schemas.errors import DecodeError
+from schemas.events import ErrorCode, TokenEvent
 
 log = logging.getLogger(__name__)
 
 
 class Relay:
-    def __init__(self, kafka: KafkaSettings, topic: str, partition: int) -> None:
+    def __init__(self, kafka: KafkaSettings, topic: str, partition: int,
+                 dead_letters: DeadLetters | None = None) -> None:
         self._kafka = kafka
+        self._dead_letters = dead_letters
         self.partition = TopicPartition(topic, partition)
         self._streams: dict[str, StreamCollector] = {}
         self._consumer: AIOKafkaConsumer | None = None
@@ -61,13 +68,22 @@ class Relay:
 
     async def _run(self, consumer: AIOKafkaConsumer) -> None:
         try:
-            await consume(consumer, codec_for(TokenEvent), self._route, stop=self._stop, poll_timeout_ms=200)
+            await consume(consumer, codec_for(TokenEvent), self._route, stop=self._stop, poll_timeout_ms=200,
+                          undecodable=self._undecodable)
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("relay consumer failed; ending every open stream")
-            self._fail_all("the gateway's token relay failed")
+            self._fail_all("the gateway's token relay failed", ErrorCode.GATEWAY_STOPPING)
             raise
+
+    async def _undecodable(self, record: ConsumerRecord[bytes, bytes], exc: DecodeError) -> None:
+        collector = self._streams.get(record.key.decode(errors="replace")) if record.key else None
+        if collector is not None:
+            collector.fail(f"this gateway cannot read a token event of the request ({exc})",
+                           ErrorCode.UNDECODABLE_EVENT)
+        if self._dead_letters is not None:
+            await self._dead_letters.send(record, str(exc))
 
     async def _route(self, event: TokenEvent, _record: ConsumerRecord[bytes, bytes]) -> None:
         if event.emitted_at_us:
@@ -97,14 +113,14 @@ class Relay:
         self._streams.pop(request_id, None)
         RELAY_STREAMS.set(len(self._streams))
 
-    def _fail_all(self, reason: str) -> None:
+    def _fail_all(self, reason: str, code: str) -> None:
         for collector in self._streams.values():
-            collector.fail(reason)
+            collector.fail(reason, code)
 
     async def stop(self) -> None:
         self._stop.set()
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
-        self._fail_all("the gateway is shutting down")
+        self._fail_all("the gateway is shutting down", ErrorCode.GATEWAY_STOPPING)
         if self._consumer is not None:
             await self._consumer.stop()

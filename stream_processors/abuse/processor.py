@@ -83,6 +83,7 @@ def _window_table(app: faust.App, name: str, window_s: float, default: type) -> 
 
 def build(settings: Settings) -> faust.App:
     ab = settings.abuse
+    tiers = settings.tenancy.tiers
     app = build_app(settings, "abuse", guarantee="exactly_once")
     _cluster, session = connect(settings.cassandra, keyspace=settings.cassandra.keyspace)
     suspensions = KeySuspensions(session, settings.cassandra.keyspace, make_redis(settings.redis), settings.redis)
@@ -110,12 +111,12 @@ def build(settings: Settings) -> faust.App:
             who = {"key_id": request.key_id, "org_id": request.org_id, "tier": request.tier, "at_s": at}
             before = burst[request.key_id].current()
             burst[request.key_id] += 1
-            await alerter.check(Rule.REQUEST_BURST, thresholds(Rule.REQUEST_BURST, request.tier, ab), before,
+            await alerter.check(Rule.REQUEST_BURST, thresholds(Rule.REQUEST_BURST, request.tier, ab, tiers), before,
                                 before + 1, **who)
             seen = list(addresses[request.key_id].current())
             if request.client_addr and request.client_addr not in seen:
                 addresses[request.key_id] = [*seen, request.client_addr][-(ab.addresses_suspend + 1):]
-                await alerter.check(Rule.MANY_ADDRESSES, thresholds(Rule.MANY_ADDRESSES, request.tier, ab),
+                await alerter.check(Rule.MANY_ADDRESSES, thresholds(Rule.MANY_ADDRESSES, request.tier, ab, tiers),
                                     len(seen), len(seen) + 1, **who)
 
     @app.agent(raw_topic(app, settings, TOPICS.verdicts))
@@ -125,7 +126,7 @@ def build(settings: Settings) -> faust.App:
                 continue
             before = violations[verdict.key_id].current()
             violations[verdict.key_id] += 1
-            await alerter.check(Rule.SAFETY_VIOLATIONS, thresholds(Rule.SAFETY_VIOLATIONS, "", ab), before,
+            await alerter.check(Rule.SAFETY_VIOLATIONS, thresholds(Rule.SAFETY_VIOLATIONS, "", ab, tiers), before,
                                 before + 1, key_id=verdict.key_id, org_id=verdict.org_id or "", tier="", at_s=at)
 
     @app.agent(raw_topic(app, settings, TOPICS.usage))
@@ -133,7 +134,7 @@ def build(settings: Settings) -> faust.App:
         async for usage, at in keyed(stream, usage_codec, "usage-by-key"):
             before = velocity[usage.key_id].current()
             velocity[usage.key_id] += usage.completion_tokens
-            await alerter.check(Rule.TOKEN_VELOCITY, thresholds(Rule.TOKEN_VELOCITY, usage.tier, ab), before,
+            await alerter.check(Rule.TOKEN_VELOCITY, thresholds(Rule.TOKEN_VELOCITY, usage.tier, ab, tiers), before,
                                 before + usage.completion_tokens, key_id=usage.key_id, org_id=usage.org_id,
                                 tier=usage.tier, at_s=at)
 

@@ -10,7 +10,7 @@ import enum
 import hashlib
 from dataclasses import dataclass
 
-from runtime.settings import AbuseSettings
+from runtime.settings import AbuseSettings, TierTable
 from schemas.events import AbuseAction
 
 
@@ -28,8 +28,8 @@ class Thresholds:
     window_s: float
 
 
-def thresholds(rule: Rule, tier: str, settings: AbuseSettings) -> Thresholds:
-    limit = settings.limit(tier)
+def thresholds(rule: Rule, tier: str, settings: AbuseSettings, tiers: TierTable) -> Thresholds:
+    limit = tiers.policy(tier)
     if rule is Rule.REQUEST_BURST:
         flag = limit.requests_per_minute * settings.burst_window_s / 60 * settings.burst_factor
         return Thresholds(flag, flag * settings.suspend_factor, settings.burst_window_s)

@@ -4,6 +4,11 @@ Guarantee: Faust ``exactly_once``, which is also what makes its consumer read ``
 aborted worker transaction is never billed. The sinks do not rely on it: the ledger insert is first-wins by
 request id, the views are upserts of the winner, the aggregates are recomputed from the ledger. A processor
 killed at any point and restarted converges to the same ledger.
+
+Prices: the price book is reloaded every ``processors.price_reload_s``; a failed reload (Cassandra down) is logged
+and tried again at the next tick. The book knows how far it can vouch for the price table (``PriceLead.reach``
+past its load), and a usage event beyond that is priced only after a fresh load (waiting out an outage), never
+with a version that may since have been superseded. What even a fresh book cannot vouch for is dead-lettered.
 """
 
 from __future__ import annotations
@@ -15,10 +20,10 @@ from typing import Any
 import faust
 
 from billing.ledger import Ledger, LedgerRow
-from billing.prices import PriceBook, PriceStore, UnknownPrice
+from billing.prices import LivePrices, PriceLead, PriceStore, UnknownPrice
 from runtime.cassandra_client import connect
 from runtime.metrics import BILLING_HOURS_RECOMPUTED, BILLING_RECORDED
-from runtime.retry import retry_transient
+from runtime.retry import TRANSIENT, retry_transient
 from runtime.settings import Settings
 from schemas.codec import codec_for
 from schemas.events import UsageEvent
@@ -31,18 +36,19 @@ log = logging.getLogger(__name__)
 @dataclass
 class Biller:
     ledger: Ledger
-    prices: PriceBook
+    prices: LivePrices
 
     async def bill(self, usage: UsageEvent) -> tuple[LedgerRow, bool]:
-        row = LedgerRow.from_usage(usage, self.prices)
+        """UnknownPrice (PriceBookStale included) when the usage cannot be priced now."""
+        row = LedgerRow.from_usage(usage, await self.prices.book_for(usage.requested_at))
         return await retry_transient(lambda: self.ledger.record(row), what="ledger write")
 
 
 def build(settings: Settings) -> faust.App:
     app = build_app(settings, "billing", guarantee="exactly_once")
     _cluster, session = connect(settings.cassandra, keyspace=settings.cassandra.keyspace)
-    store = PriceStore(session, settings.cassandra.keyspace)
-    biller = Biller(Ledger(session, settings.cassandra.keyspace), store.load_sync())
+    store = PriceStore(session, settings.cassandra.keyspace, PriceLead(settings.processors.price_reload_s))
+    biller = Biller(Ledger(session, settings.cassandra.keyspace), LivePrices(store, store.load_sync()))
     dead = DeadLetters(app, settings, "billing")
     codec = codec_for(UsageEvent)
 
@@ -66,6 +72,14 @@ def build(settings: Settings) -> faust.App:
 
     @app.timer(interval=settings.processors.price_reload_s)
     async def reload_prices() -> None:
-        biller.prices = await store.load()
+        # NOTE: an exception here would end Faust's timer for good; a transient one is logged and retried next tick
+        # (the book stops vouching for new times meanwhile, and bill() reloads on its own).
+        try:
+            book = await biller.prices.reload()
+        except TRANSIENT as exc:
+            log.warning("price reload failed", extra={"reason": repr(exc),
+                                                      "complete_until": str(biller.prices.book.complete_until)})
+            return
+        log.debug("prices reloaded", extra={"complete_until": str(book.complete_until)})
 
     return app

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from schemas.events import (
     ChatRequest,
     ControlAction,
     ControlEvent,
+    ErrorCode,
     SafetyStage,
     SafetyVerdict,
     TokenEvent,
@@ -26,6 +28,25 @@ def prompt_text(request: ChatRequest, max_chars: int = 2000) -> str:
         if message.role == "user":
             return message.content[-max_chars:]
     return (request.messages[-1].content if request.messages else "")[-max_chars:]
+
+
+def expired(request: ChatRequest, now: datetime) -> TokenEvent | None:
+    """The final event of a request whose queue deadline passed before it was screened (its client gets
+    ``queue_deadline_exceeded`` at once; nothing is generated, nothing billed), else None."""
+    if request.deadline_at is None or now <= request.deadline_at:
+        return None
+    return TokenEvent(request_id=request.request_id, attempt=1, seq=0, token_offset=0, token_ids=[], text="",
+                      finish_reason="error", error="the request waited past its queue deadline before screening",
+                      error_code=ErrorCode.QUEUE_DEADLINE_EXCEEDED.value, worker_id=PREFILTER,
+                      emitted_at_us=int(now.timestamp() * 1_000_000))
+
+
+def unreadable(request_id: str, reason: str) -> TokenEvent:
+    """The final event of a request the safety processor cannot decode (a schema it does not know yet)."""
+    return TokenEvent(request_id=request_id, attempt=1, seq=0, token_offset=0, token_ids=[], text="",
+                      finish_reason="error", error=f"the safety processor cannot read the request ({reason})",
+                      error_code=ErrorCode.UNDECODABLE_REQUEST.value, worker_id=PREFILTER,
+                      emitted_at_us=int(utcnow().timestamp() * 1_000_000))
 
 
 def refusal(request: ChatRequest) -> TokenEvent:

@@ -16,28 +16,33 @@ forward is harmless (workers generate a request id once), so is a duplicate halt
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import OrderedDict
 from typing import Any
 
 import faust
+from redis.exceptions import RedisError
 
 from runtime.metrics import SAFETY_CLASSIFY, SAFETY_PREFILTER_DELAY, SAFETY_STALE, SAFETY_VERDICTS
 from runtime.redis_client import key as redis_key
 from runtime.redis_client import make_redis
 from runtime.settings import Settings
 from schemas.codec import codec_for
-from schemas.events import ChatRequest, ControlEvent, SafetyStage, SafetyVerdict, TokenEvent
+from schemas.events import ChatRequest, ControlEvent, SafetyStage, SafetyVerdict, TokenEvent, utcnow
+from schemas.headers import reply_address
 from schemas.topics import TOPICS
 from stream_processors.app import DeadLetters, build_app, raw_topic
 from stream_processors.safety.classifier import SafetyClassifier, Verdict, make_classifier
 from stream_processors.safety.policy import (
     PREFILTER,
     OutputWindow,
+    expired,
     halt,
     prompt_text,
     refusal,
+    unreadable,
     verdict_event,
 )
 
@@ -95,14 +100,30 @@ def build(settings: Settings) -> faust.App:
     async def send_verdict(event: SafetyVerdict) -> None:
         await verdicts.send(key=event.request_id.encode(), value=verdict_codec.encode(event))
 
+    async def answer_unreadable(event: Any) -> None:
+        address = reply_address(event.message.headers)
+        if address is not None:
+            request_id, partition = address
+            await tokens.send(key=request_id.encode(), partition=partition,
+                              value=token_codec.encode(unreadable(request_id, "unknown schema")))
+
     async def screen(events: list[Any]) -> None:
         """Classify a batch of submitted requests; forward the admitted, refuse the others."""
         batch = []
+        now = utcnow()
         for event in events:
             request = await dead.decode(requests_codec, event)
             if request is None:
+                await answer_unreadable(event)
                 continue
-            if time.time() - request.created_at.timestamp() > settings.safety.max_request_age_s:
+            ended = expired(request, now)
+            if ended is not None:  # its client is told at once; nothing is generated or billed
+                SAFETY_STALE.labels(stage="pre").inc()
+                await tokens.send(key=request.request_id.encode(), value=token_codec.encode(ended),
+                                  partition=request.reply.partition)
+                continue
+            if request.deadline_at is None and now.timestamp() - request.created_at.timestamp() > \
+                    settings.safety.max_request_age_s:  # an older gateway's request (no deadline): dropped
                 SAFETY_STALE.labels(stage="pre").inc()
                 continue
             batch.append((event, request))
@@ -147,8 +168,10 @@ def build(settings: Settings) -> faust.App:
             if not token.is_final:  # a harmful last window is only recorded: nothing is left to stop
                 halt_event = halt(token.request_id, verdict)
                 await control.send(key=token.request_id.encode(), value=control_codec.encode(halt_event))
-            owner: list[str | None] = await redis.hmget(  # type: ignore[assignment]
-                redis_key(settings.redis, "request", token.request_id), ["org", "key"])
+            owner: list[str | None] = [None, None]
+            with contextlib.suppress(RedisError, OSError, TimeoutError):  # attribution only: never stop for it
+                owner = await redis.hmget(  # type: ignore[assignment]
+                    redis_key(settings.redis, "request", token.request_id), ["org", "key"])
             await send_verdict(verdict_event(token.request_id, SafetyStage.POST, verdict, classifier.name,
                                              org_id=owner[0], key_id=owner[1], at_token=window.tokens))
             log.info("stream halted", extra={"request_id": token.request_id, "category": verdict.category,

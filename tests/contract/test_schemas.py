@@ -21,6 +21,9 @@ from schemas.events import (
     ChatRequest,
     ControlAction,
     ControlEvent,
+    KeyRecord,
+    LimitOverrides,
+    OrgRecord,
     ReplyTo,
     SafetyStage,
     SafetyVerdict,
@@ -39,8 +42,8 @@ SAMPLES = [
         messages=[ChatMessage(role="system", content="be brief"),
                   ChatMessage(role="user", content="héllo ✓", name="u")],
         prompt_token_ids=[1, 2, 49151], sampling=SamplingSpec(max_tokens=5, seed=2**40, stop=["\n\n"]),
-        stream=True, reply=ReplyTo(partition=3, gateway_id="gw"), conversation_id="conv", user="u1",
-        client_addr="10.0.0.1",
+        stream=True, reply=ReplyTo(partition=3, gateway_id="gw/1a2b"), conversation_id="conv", user="u1",
+        client_addr="10.0.0.1", deadline_at=NOW,
     ),
     ChatRequest(
         request_id="chatcmpl-2", created_at=NOW, org_id="org", key_id="k", tier="free", model="m", messages=[],
@@ -51,7 +54,7 @@ SAMPLES = [
                emitted_at_us=1_763_000_000_000_000),
     TokenEvent(request_id="r", attempt=2, seq=9, token_offset=12, token_ids=[], text="", finish_reason="length",
                usage=TokenUsage(prompt_tokens=37, completion_tokens=12, cached_tokens=16), error="e", worker_id="w",
-               emitted_at_us=0),
+               emitted_at_us=0, error_code="queue_deadline_exceeded"),
     ControlEvent(request_id="r", action=ControlAction.HALT, reason="unsafe", issued_by="safety", issued_at=NOW),
     UsageEvent(request_id="r", org_id="o", key_id="k", tier="pro", model="m", prompt_tokens=37,
                completion_tokens=8, cached_tokens=0, finish_reason="stop", attempt=1, worker_id="w",
@@ -60,6 +63,12 @@ SAMPLES = [
                   classifier="combined/exemplars.v1", org_id=None, key_id="k", at_token=24, decided_at=NOW),
     AbuseAlert(alert_id="a1", key_id="k", org_id="o", tier="free", rule="request_burst", observed=31, threshold=15,
                window_start=NOW, window_s=10, action=AbuseAction.SUSPEND, raised_at=NOW),
+    OrgRecord(org_id="acme", name="Acme", tier="plus", limits=LimitOverrides(tokens_per_minute=90_000),
+              monthly_budget_micros=250_000_000, budget_alert_fraction=0.9, created_at=NOW, updated_at=NOW),
+    OrgRecord(org_id="o", name="o", tier="free", created_at=NOW, updated_at=NOW),
+    KeyRecord(key_hash="ab" * 32, key_id="key_1", org_id="acme", name="ci", admin=False, models=["m"],
+              expires_at=NOW, revoked_at=NOW, created_at=NOW),
+    KeyRecord(key_hash="cd" * 32, key_id="key_2", org_id="operators", name="op", admin=True, created_at=NOW),
 ]
 
 

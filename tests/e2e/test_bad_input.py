@@ -41,6 +41,14 @@ CASES = [
     ("n > 1", body(n=3), 400, "n", "invalid_value"),
     ("temperature out of range", body(temperature=-1), 400, "temperature", "invalid_value"),
     ("oversize body", body(messages=[{"role": "user", "content": "x" * 2_000_000}]), 413, None, "request_too_large"),
+    # an OpenAI parameter we do not implement is refused, never ignored (JSON mode would come back as free text)
+    ("JSON mode", body(response_format={"type": "json_object"}), 400, "response_format", "unsupported_parameter"),
+    ("tools", body(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", "unsupported_parameter"),
+    ("logprobs", body(logprobs=True), 400, "logprobs", "unsupported_parameter"),
+    ("logit_bias", body(logit_bias={"1": 5}), 400, "logit_bias", "unsupported_parameter"),
+    ("unrecognized argument", body(frobnicate=True), 400, "frobnicate", "unknown_parameter"),
+    # the engine refuses an empty stop string: before this was checked, after the request was accepted (a 502)
+    ("empty stop string", body(stop=[""]), 400, "stop.0", "invalid_value"),
 ]
 
 
@@ -83,3 +91,10 @@ def test_unknown_routes_and_methods_keep_the_shape(http: httpx.Client) -> None:
     assert_openai_error(http.get("/nothing-here"), 404, None, "not_found")
     assert_openai_error(http.get("/chat/completions"), 405, None, "method_not_allowed")
     assert_openai_error(http.get("/models/gpt-17"), 404, "model", "model_not_found")
+
+
+def test_no_op_values_of_unsupported_parameters_are_answered(http: httpx.Client) -> None:
+    response = http.post("/chat/completions", content=body(max_tokens=2, tools=[], tool_choice="none", logprobs=False,
+                                                            response_format={"type": "text"}, logit_bias={}))
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] is not None

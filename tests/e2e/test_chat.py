@@ -7,6 +7,7 @@ import pytest
 
 from runtime.settings import Settings
 from tests.e2e.conftest import MODEL, QUESTION, token_events, usage_events
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -38,13 +39,20 @@ async def test_usage_chunk_and_every_token_went_through_the_token_topic(client: 
     last = chunks[-1]
     assert last.choices == [] and last.usage is not None
     assert all(c.usage is None for c in chunks[:-1])
+    # The client got the final event from the relay, so the token log already holds it (read_uncommitted).
     events = await token_events(stack, last.id)
     assert [e.seq for e in events] == list(range(len(events)))
-    assert events[-1].finish_reason == "stop" and events[-1].usage == events[-1].usage
+    final = events[-1]
+    assert final.finish_reason == "stop" and final.usage is not None
+    # The usage chunk is the final event's usage, as the worker recorded it.
+    assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (last.usage.prompt_tokens,
+                                                                          last.usage.completion_tokens)
     assert "".join(e.text for e in events) == streamed_text(chunks)
     assert sum(len(e.token_ids) for e in events) == last.usage.completion_tokens
-    assert events[-1].usage.prompt_tokens == last.usage.prompt_tokens
-    (usage,) = await usage_events(stack, last.id)
+    # The usage event commits in the worker's transaction, which the client does not wait for.
+    committed = await wait_for(lambda: usage_events(stack, last.id), timeout_s=30)
+    assert committed, f"no committed usage event for {last.id}"
+    (usage,) = committed
     assert (usage.prompt_tokens, usage.completion_tokens) == (last.usage.prompt_tokens, last.usage.completion_tokens)
 
 

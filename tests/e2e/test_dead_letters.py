@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 import openai
 import pytest
 
@@ -12,6 +14,7 @@ from tests.e2e.conftest import MODEL, QUESTION, usage_events
 from tests.helpers import read_topic, wait_for
 
 pytestmark = pytest.mark.e2e
+NOBODYS_PARTITION = 12  # no gateway tails it: only the topic tells what the worker did
 
 
 class Raw:
@@ -47,3 +50,38 @@ async def test_garbage_is_dead_lettered_and_processing_continues(client: openai.
 async def _both(read) -> list | None:  # type: ignore[no-untyped-def, type-arg]
     found = await read()
     return found if len({h["source-topic"] for h in found}) >= 2 else None
+
+
+async def test_a_request_of_an_unknown_schema_version_is_answered_at_once_not_left_to_time_out(
+        worker: object, stack: Settings) -> None:
+    """Defect 11: a record whose schema fingerprint a consumer did not know was skipped silently, so during a
+    rolling deploy that adds a schema version requests vanished and clients waited out the timeout."""
+    from schemas.codec import MAGIC, codec_for
+    from schemas.events import TokenEvent
+    from schemas.headers import request_headers
+
+    kafka = stack.kafka
+    request_id = f"chatcmpl-future-{uuid.uuid4().hex}"
+    # A newer gateway's request: its schema's fingerprint is one this worker has never seen.
+    future = MAGIC + bytes.fromhex("0123456789abcdef") + b"\x02body of a newer schema"
+    producer = make_producer(kafka, role="test-future")
+    await producer.start()
+    try:
+        await producer.send_and_wait(kafka.topic(TOPICS.requests_admitted.name), future, key=request_id.encode(),
+                                     headers=request_headers(request_id, NOBODYS_PARTITION))
+    finally:
+        await producer.stop()
+
+    async def answered() -> list[TokenEvent]:
+        rows = await read_topic(kafka, kafka.topic(TOPICS.tokens.name), codec_for(TokenEvent))  # type: ignore[arg-type]
+        return [e for tp, _, e, _ in rows if e.request_id == request_id and tp.partition == NOBODYS_PARTITION]
+
+    (final,) = await wait_for(answered, timeout_s=20)
+    assert (final.finish_reason, final.error_code) == ("error", "undecodable_request")
+
+    async def dead_lettered() -> list:  # type: ignore[type-arg]
+        rows = await read_topic(kafka, kafka.topic(TOPICS.dead_letter.name), Raw, isolation="read_committed")  # type: ignore[arg-type]
+        return [dict(h) for _, _, value, h in rows if value == future]
+
+    (headers,) = await wait_for(dead_lettered, timeout_s=20)
+    assert headers["processor"] == b"worker" and b"unknown schema fingerprint" in headers["reason"]

@@ -15,15 +15,23 @@ from runtime.settings import Settings
 from schemas.events import UsageEvent
 from schemas.topics import TOPICS
 from tests.e2e.conftest import MODEL, QUESTION, kns, records_of
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
 
 
 async def test_export_matches_the_usage_topic(client: openai.OpenAI, stack: Settings, service_env: dict[str, str],
                                               tmp_path: Path) -> None:
-    client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=3)
+    answer = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=3)
     start, end = datetime.now(UTC) - timedelta(hours=2), datetime.now(UTC) + timedelta(seconds=1)
-    committed = await records_of(stack, TOPICS.usage, UsageEvent, lambda u: start <= u.requested_at < end)
+
+    async def committed_with_this_answer() -> list[UsageEvent]:
+        # The reply does not wait for the worker's transaction: its usage event may not be readable committed yet.
+        usage = await records_of(stack, TOPICS.usage, UsageEvent, lambda u: start <= u.requested_at < end)
+        return usage if any(u.request_id == answer.id for u in usage) else []
+
+    committed = await wait_for(committed_with_this_answer, timeout_s=30)
+    assert committed, f"the usage of {answer.id} was never committed"
     window = ["--start", start.isoformat(), "--end", end.isoformat()]
     for fmt in ("parquet", "csv"):
         out = tmp_path / f"usage.{fmt}"
@@ -34,6 +42,9 @@ async def test_export_matches_the_usage_topic(client: openai.OpenAI, stack: Sett
     ).fetchall()
     assert count == len(committed) and completion == sum(u.completion_tokens for u in committed)
     assert requests == len({u.request_id for u in committed})
+    ((exported,),) = duckdb.sql(
+        f"select count(*) from '{tmp_path / 'usage.parquet'}' where request_id = '{answer.id}'").fetchall()
+    assert exported == 1
     with (tmp_path / "usage.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == len(committed)

@@ -1,4 +1,5 @@
-"""The billing ledger in the real Cassandra: first usage wins, views agree, aggregates are derived and exact."""
+"""The billing ledger in the real Cassandra: first usage wins, views agree, aggregates are derived and exact; each
+row records the price version it was billed with, and repair never re-prices a billed row."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import pytest_asyncio
 
 from billing.ledger import Ledger, LedgerRow
 from billing.prices import Price, PriceBook
+from billing.reconcile import reconcile
+from billing.replay import UsageReplay
 from runtime.cassandra_client import connect_async, execute
 from runtime.settings import Settings
 from schemas.events import UsageEvent
@@ -79,11 +82,45 @@ async def test_hourly_aggregates_are_recomputed_from_the_ledger(ledger: Ledger, 
     assert org not in {m["org_id"] for m in marks}
 
 
-async def test_overwrite_repairs_a_corrupted_row(ledger: Ledger) -> None:
+async def test_correct_repairs_a_corrupted_row_billed_with_the_same_version(ledger: Ledger) -> None:
     org = f"org-{uuid.uuid4().hex[:8]}"
     good = LedgerRow.from_usage(usage(org, 10), PRICES)
     await ledger.record(replace(good, completion_tokens=1234))  # what a corruption would look like
-    await ledger.overwrite(good)
+    assert await ledger.correct(good)
     assert await ledger.get(good.request_id) == good
     (view,) = await ledger.rows_for_org(org, HOUR, HOUR + timedelta(hours=1))
     assert view["completion_tokens"] == good.completion_tokens
+    # a row billed with another version than the correction assumes is left alone
+    assert not await ledger.correct(replace(good, price_version="v2", cost=Decimal(1)))
+    assert await ledger.get(good.request_id) == good
+
+
+async def test_a_ledger_row_records_exactly_which_price_version_billed_it(ledger: Ledger) -> None:
+    row = LedgerRow.from_usage(usage(f"org-{uuid.uuid4().hex[:8]}", 31), PRICES)
+    await ledger.record(row)
+    stored = await ledger.get(row.request_id)
+    assert stored is not None and (stored.price_version, stored.price_valid_from) == ("v2", PRICES.all()[1].valid_from)
+
+
+async def test_repair_restores_usage_but_never_reprices_a_billed_row(ledger: Ledger, stack: Settings) -> None:
+    org = f"org-{uuid.uuid4().hex[:8]}"
+    kept, corrupted, lost = usage(org, 5), usage(org, 6), usage(org, 7)
+    billed = {u.request_id: LedgerRow.from_usage(u, PRICES) for u in (kept, corrupted)}
+    for row in billed.values():
+        await ledger.record(row)
+    await execute(ledger._session, f"UPDATE {stack.cassandra.keyspace}.ledger_by_request SET completion_tokens = 4242 "
+                                   "WHERE request_id = %s", (corrupted.request_id,))
+    # After billing, a version valid from before these requests appeared (what `set-price` used to accept).
+    changed = PriceBook([*PRICES.all(), Price("m", HOUR, "v1b", Decimal("100"), Decimal("50"), Decimal("200"))])
+    events = [kept, corrupted, lost]
+    replay = UsageReplay([(0, i, u) for i, u in enumerate(events)], {u.request_id: u for u in events})
+    report = await reconcile(ledger, changed, replay, HOUR, HOUR + timedelta(hours=1), repair=True, org_id=org)
+
+    assert await ledger.get(kept.request_id) == billed[kept.request_id]  # its cost is final
+    assert await ledger.get(corrupted.request_id) == billed[corrupted.request_id]  # tokens back, cost at v1
+    inserted = await ledger.get(lost.request_id)  # never billed: billed now, at the price valid at its time
+    assert inserted is not None and inserted.price_version == "v1b"
+    assert inserted.cost == changed.price_at("m", lost.requested_at).cost(10, 4, 2)
+    kinds = sorted((d.kind, d.request_id == kept.request_id) for d in report.discrepancies)
+    assert kinds == [("mismatched", False), ("missing", False), ("repriced", False), ("repriced", True)]
+    assert report.repaired == 2 and not report.clean  # the repriced rows stay reported, for an operator

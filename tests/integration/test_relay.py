@@ -13,6 +13,7 @@ from runtime.settings import KafkaSettings
 from schemas.codec import codec_for
 from schemas.events import TokenEvent, TokenUsage
 from schemas.topics import TOPICS
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.integration
 PARTITION = 15
@@ -95,8 +96,9 @@ async def test_a_client_that_never_reads_does_not_hold_back_the_others(kafka: Ka
             if delta.finished:
                 break
         assert text == "f" * 20
-        # ... and nothing of the slow stream was dropped: it is all merged in its slot.
-        await asyncio.sleep(0.5)
+        # ... and nothing of the slow stream was dropped: it is all merged in its slot. Its final is the last record
+        # written, so once the relay has put it, everything before it has been put too.
+        assert await wait_for(lambda: slow.finished, timeout_s=10), "the relay never routed the slow stream's final"
         backlog = await asyncio.wait_for(slow.get(), 5)
         assert (backlog.text, backlog.token_count, backlog.finish_reason) == ("s" * n, n, "stop")
     finally:

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 
 import pytest
 from redis.asyncio import Redis
 
 from producers.relay.claim import ReplyPartitionClaim
-from runtime.redis_client import key
+from runtime.redis_client import gateway_alive_key, key
 from runtime.settings import GatewaySettings, Settings
 from schemas.errors import FatalError
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -47,23 +47,40 @@ async def test_a_restarted_instance_gets_its_partition_back(redis: Redis, stack:
 
 async def test_home_partition_is_remembered_after_the_lease_expired(redis: Redis, stack: Settings) -> None:
     topic = f"claims-{uuid.uuid4().hex}"
-    squatter = claim_for(redis, stack, "gw-z", topic, ttl=0.3)
-    await squatter.acquire(4)  # takes partition 0
-    gw = claim_for(redis, stack, "gw-home", topic, ttl=0.3)
+    # Renewed four times per TTL, and a TTL long enough that a stalled test process does not lose the squatter's
+    # lease before gw-home claims: only the expiry after close() is waited for, and it is waited for as a condition.
+    squatter = claim_for(redis, stack, "gw-z", topic, ttl=2.0, renew=0.5)
+    assert await squatter.acquire(4) == 0
+    gw = claim_for(redis, stack, "gw-home", topic, ttl=2.0, renew=0.5)
     home = await gw.acquire(4)
     assert home == 1
     await gw.close()
     await squatter.close()
-    await asyncio.sleep(0.5)  # both leases expire; partition 0 is now free too
+    leases = [key(stack.redis, "reply-lease", topic, p) for p in (0, 1)]
+    # both processes stopped: once their leases expire, partition 0 is free too
+    assert await wait_for(lambda: _none_exist(redis, leases), timeout_s=10)
     back = claim_for(redis, stack, "gw-home", topic)
     assert await back.acquire(4) == home
     await back.close()
 
 
-async def test_losing_the_lease_is_noticed(redis: Redis, stack: Settings) -> None:
+async def _none_exist(redis: Redis, keys: list[str]) -> bool:
+    return await redis.exists(*keys) == 0
+
+
+async def test_a_lease_lost_in_a_redis_restart_is_taken_again_and_the_gateway_keeps_serving(
+        redis: Redis, stack: Settings) -> None:
+    """Defect 6: a lost reply lease stopped every gateway at once, so a Redis restart without persistence (which
+    loses every lease) took the whole API down."""
     topic = f"claims-{uuid.uuid4().hex}"
     gw = claim_for(redis, stack, "gw-lost", topic, ttl=2.0, renew=0.1)
     partition = await gw.acquire(1)
-    await redis.set(key(stack.redis, "reply-lease", topic, partition), "intruder")
-    await asyncio.wait_for(gw.lost.wait(), 2)
+    lease = key(stack.redis, "reply-lease", topic, partition)
+    alive = gateway_alive_key(stack.redis, gw.gateway_id)
+    await redis.delete(lease, alive)  # what a Redis restarted without persistence looks like to this gateway
+    assert await wait_for(lambda: redis.get(lease), timeout_s=2) == "gw-lost"
+    assert await redis.exists(alive) and not gw.shared and gw.partition == partition
+    await redis.set(lease, "intruder")  # another instance took the partition meanwhile: both serve it
+    assert await wait_for(lambda: gw.shared, timeout_s=2)
     await gw.close()
+    assert not await redis.exists(alive)  # a gateway that stops says so at once

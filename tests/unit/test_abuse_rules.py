@@ -2,24 +2,25 @@
 
 from __future__ import annotations
 
-from runtime.settings import AbuseSettings
+from runtime.settings import AbuseSettings, TierTable
 from schemas.events import AbuseAction
 from stream_processors.abuse.rules import Rule, alert_id, decide, thresholds, window_start
 
 SETTINGS = AbuseSettings()
+TIERS = TierTable.model_validate({})
 
 
 def test_burst_thresholds_scale_with_the_tier() -> None:
-    free = thresholds(Rule.REQUEST_BURST, "free", SETTINGS)
-    pro = thresholds(Rule.REQUEST_BURST, "pro", SETTINGS)
+    free = thresholds(Rule.REQUEST_BURST, "free", SETTINGS, TIERS)
+    plus = thresholds(Rule.REQUEST_BURST, "plus", SETTINGS, TIERS)
     # free: 30 rpm → 5 per 10 s window; flagged at 3x (15), suspended at 2x that (30)
     assert (free.flag, free.suspend, free.window_s) == (15, 30, 10)
-    assert pro.flag == 20 * free.flag
-    assert thresholds(Rule.REQUEST_BURST, "no-such-tier", SETTINGS) == free
+    assert plus.flag == 20 * free.flag
+    assert thresholds(Rule.REQUEST_BURST, "no-such-tier", SETTINGS, TIERS) == free
 
 
 def test_a_rule_fires_once_when_a_count_crosses_its_threshold() -> None:
-    t = thresholds(Rule.REQUEST_BURST, "free", SETTINGS)
+    t = thresholds(Rule.REQUEST_BURST, "free", SETTINGS, TIERS)
     decisions = [decide(n - 1, n, t) for n in range(1, 41)]
     assert decisions.count(AbuseAction.FLAG) == 1 and decisions[14] is AbuseAction.FLAG
     assert decisions.count(AbuseAction.SUSPEND) == 1 and decisions[29] is AbuseAction.SUSPEND

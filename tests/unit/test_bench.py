@@ -68,22 +68,35 @@ def test_medians_over_rounds_and_ratios() -> None:
 
 
 def test_cpu_meter_attributes_a_childs_work_to_its_tree() -> None:
+    import os
+    import signal
     import subprocess
     import sys
     import time
 
     from bench.cpu import CpuMeter
 
+    # The parent prints its child's pid once the child runs, then only sleeps: what its tree uses from then on is
+    # the child's.
     child = "x = 0\\nwhile True: x += 1"
     parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
-                               f"subprocess.Popen([sys.executable, '-c', '{child}']); time.sleep(30)"])
+                               f"c = subprocess.Popen([sys.executable, '-c', '{child}']); print(c.pid, flush=True); "
+                               "time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+    child_pid = 0
     try:
-        time.sleep(0.5)
+        assert parent.stdout is not None
+        child_pid = int(parent.stdout.readline())
         meter = CpuMeter({"svc": parent.pid})
-        time.sleep(1.0)
+        # However busy the machine, the child gets a CPU second eventually: wait for that, not for a time.
+        deadline = time.monotonic() + 60
         used = meter.since()
-        assert used["svc"] < 0.2  # the parent sleeps ...
-        assert sum(v for k, v in used.items() if k.startswith("svc:")) > 0.5  # ... its child burns CPU
+        while sum(v for k, v in used.items() if k.startswith("svc:")) <= 1.0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            used = meter.since()
+        assert sum(v for k, v in used.items() if k.startswith("svc:")) > 1.0, f"the child is not counted: {used}"
+        assert used["svc"] < 0.2, used  # ... while the parent, which only sleeps, used next to nothing
     finally:
-        subprocess.run(["pkill", "-P", str(parent.pid)])
+        if child_pid:
+            os.kill(child_pid, signal.SIGKILL)
         parent.kill()
+        parent.wait()

@@ -65,7 +65,17 @@ async def test_get_waits_for_news() -> None:
 async def test_fail_ends_the_stream_with_an_error_once() -> None:
     c = StreamCollector("r")
     c.put(ev(0, "partial"))
-    c.fail("relay stopped")
+    c.fail("relay stopped", "gateway_stopping")
     delta = await c.get()
     assert (delta.text, delta.finish_reason, delta.error) == ("partial", "error", "relay stopped")
+    assert (delta.error_code, delta.from_worker) == ("gateway_stopping", False)
     assert not c.put(ev(1, "more"))
+
+
+async def test_an_inconsistent_event_ends_the_stream_at_once_with_an_error() -> None:
+    c = StreamCollector("r")
+    c.put(ev(0, "a"))
+    assert not c.put(ev(2, "c"))  # seq 1 was lost
+    delta = await c.get()
+    assert (delta.text, delta.finish_reason, delta.from_worker) == ("a", "error", False)
+    assert "missing" in (delta.error or "")

@@ -1,13 +1,15 @@
-"""PID files name exactly our processes; stop reaches the whole process group."""
+"""PID files name exactly our processes; stop reaches the whole process group and the process tree."""
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from pathlib import Path
 
 from ops.stack.process import PidFile, group_members, spawn, stop, tail
+from runtime.reaper import is_alive, read_proc
 
 
 def test_spawn_and_stop_a_process_group(tmp_path: Path) -> None:
@@ -25,6 +27,24 @@ def test_spawn_and_stop_a_process_group(tmp_path: Path) -> None:
     assert stop(pid_file, timeout_s=5)
     assert pid_file.live_pid() is None and not pid_file.path.exists()
     assert group_members(pid) == []  # the child too (zombies awaiting their reaper are not alive)
+
+
+def test_stop_reaches_a_child_outside_the_group(tmp_path: Path) -> None:
+    # A supervisor's child runs in a process group of its own; this one does not even stop on SIGTERM.
+    pid_file = PidFile(tmp_path / "svc.pid")
+    script = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+              "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)'], start_new_session=True); "
+              "time.sleep(0.5); print('CHILD', p.pid, flush=True); time.sleep(60)")
+    spawn([sys.executable, "-c", script], log_file=tmp_path / "svc.log", pid_file=pid_file, env=dict(os.environ),
+          cwd=tmp_path)
+    deadline = time.monotonic() + 10
+    while not (found := re.search(r"^CHILD (\d+)$", tail(tmp_path / "svc.log"), re.M)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert found
+    child = read_proc(int(found.group(1)))
+    assert child is not None and is_alive(child)
+    assert stop(pid_file, timeout_s=2)
+    assert not is_alive(child)
 
 
 def test_a_recycled_pid_is_not_ours(tmp_path: Path) -> None:

@@ -37,3 +37,15 @@ def test_explicit_engine_values_win() -> None:
 def test_namespace_prefixes_topics_and_groups() -> None:
     assert KafkaSettings(namespace="t1").topic("llm.tokens.emitted.v1") == "t1.llm.tokens.emitted.v1"
     assert KafkaSettings().group("inference-workers") == "inference-workers"
+
+
+def test_one_setting_of_one_tier_changes_only_that(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A nested variable arrives as {"free": {"queue_deadline_s": ...}}: without merging it over the defaults it
+    would drop the tier's rates (a start-up error) or every other tier (unknown tiers)."""
+    monkeypatch.setenv("KNS_TENANCY__TIERS__FREE__QUEUE_DEADLINE_S", "5")
+    monkeypatch.setenv("KNS_TENANCY__TIERS__ENTERPRISE__REQUESTS_PER_MINUTE", "9000")
+    tiers = load_settings().tenancy.tiers
+    assert list(tiers.policies()) == ["free", "plus", "enterprise"]
+    assert (tiers.free.queue_deadline_s, tiers.free.requests_per_minute) == (5.0, 30)
+    assert (tiers.enterprise.requests_per_minute, tiers.enterprise.tokens_per_minute) == (9000, 5_000_000)
+    assert tiers.policy("no-such-tier") == tiers.free

@@ -7,17 +7,57 @@ import logging
 from typing import Any
 
 import orjson
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPBearer
 from pydantic import ValidationError
 
 from producers.gateway.deps import Caller, Context
-from producers.gateway.errors import bad_request, from_validation
-from producers.gateway.protocol import ChatCompletionRequest
+from producers.gateway.errors import ErrorResponse, bad_request, error_responses, from_validation
+from producers.gateway.protocol import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    chat_request_schema,
+    openapi_schema,
+)
 from runtime.tracing import child_of
 
 router = APIRouter()
 log = logging.getLogger(__name__)
+
+#: Declares the bearer scheme in ``/openapi.json`` only: ``deps.authenticate`` checks the key (this one never
+#: refuses, auto_error is off, so a missing key still gets our 401 body).
+_bearer = HTTPBearer(auto_error=False, description="An API key (`kns keys create`).")
+
+#: What ``/openapi.json`` says this route reads and answers. The body is parsed by :func:`parse_body` (raw bytes,
+#: our error shape), so FastAPI only documents the schema, it never validates with it.
+OPENAPI_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": chat_request_schema()}}}}
+#: One server-sent event of a stream (OpenAPI 3.1 describes each event): a chunk, an error in OpenAI's shape when
+#: the generation fails midway, then ``[DONE]``.
+STREAM_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"anyOf": [
+    {"const": "[DONE]"},
+    {"type": "string", "contentMediaType": "application/json",
+     "contentSchema": {"anyOf": [openapi_schema(ChatCompletionChunk), openapi_schema(ErrorResponse)]}},
+]}}}
+RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"model": ChatCompletion, "description": "The completion: a `chat.completion` object, or with "
+          "`stream: true` server-sent `chat.completion.chunk` events ending with `data: [DONE]`.",
+          "content": {"text/event-stream": {"schema": STREAM_EVENT}}},
+    **error_responses({
+        400: "Invalid request: a malformed body, an invalid or unsupported parameter, an unrecognized argument, "
+             "a prompt or completion beyond the context, or a prompt refused by the content filter.",
+        401: "No API key, or an unknown one.",
+        403: "The API key is suspended.",
+        404: "The model does not exist.",
+        413: "The request body is larger than the gateway accepts.",
+        500: "An unexpected error in the gateway.",
+        502: "The generation failed behind the gateway.",
+        503: "A backing service is unavailable, the gateway is stopping, or the request waited past its queue "
+             "deadline; nothing was billed, retry later.",
+        504: "No token arrived in time; the generation was cancelled.",
+    }),
+}
 
 
 def parse_body(raw: bytes) -> ChatCompletionRequest:
@@ -38,11 +78,10 @@ async def _until_disconnect(request: Request) -> None:
         pass
 
 
-@router.post("/v1/chat/completions", response_model=None)
+@router.post("/v1/chat/completions", response_model=None, responses=RESPONSES, openapi_extra=OPENAPI_BODY,
+             dependencies=[Depends(_bearer)])
 async def chat_completions(request: Request, ctx: Context, key: Caller) -> Response:
     body = parse_body(await request.body())
-    if ctx.settings.gateway.log_unknown_fields and body.unknown_fields():
-        log.info("unknown request fields ignored", extra={"fields": body.unknown_fields()})
     traceparent = child_of(request.headers.get("traceparent"))
     accepted = await ctx.chat.accept(
         body, key, client_addr=request.client.host if request.client else None, traceparent=traceparent

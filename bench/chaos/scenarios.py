@@ -1,0 +1,188 @@
+"""The chaos scenarios: one fault each, injected while the load runs. A Protocol, one class per scenario, a
+registry (as the gateway policies of SGLang are laid out)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from bench.chaos.client import Load
+from bench.chaos.environment import ChaosEnv, Knobs
+from ops.stack.process import stop as stop_pid
+
+
+class Scenario(Protocol):
+    name: str
+    summary: str
+    #: workers running when the load starts
+    workers: int
+
+    def knobs(self, knobs: Knobs) -> Knobs:
+        """The services' settings this scenario needs (shorter deadlines, a smaller engine)."""
+        ...
+
+    async def before_load(self, env: ChaosEnv, say: Say) -> None:
+        """What must be broken before the first request is sent."""
+        ...
+
+    async def inject(self, env: ChaosEnv, load: Load, say: Say) -> None:
+        """Called as the load starts; returns once the fault is over (the load goes on to its end)."""
+        ...
+
+
+class Say(Protocol):
+    def __call__(self, message: str) -> None: ...
+
+
+async def _until(load: Load, t: float) -> None:
+    await asyncio.sleep(max(0.0, t - load.now()))
+
+
+@dataclass
+class Base:
+    name: str = ""
+    summary: str = ""
+    workers: int = 2
+    fault_at_s: float = 1.5
+
+    def knobs(self, knobs: Knobs) -> Knobs:
+        return knobs
+
+    async def before_load(self, env: ChaosEnv, say: Say) -> None:
+        return None
+
+
+@dataclass
+class KillWorker(Base):
+    name: str = "kill-worker"
+    summary: str = "SIGKILL one worker process mid-generation; its supervisor starts it again"
+
+    async def inject(self, env: ChaosEnv, load: Load, say: Say) -> None:
+        await _until(load, self.fault_at_s)
+        # A fixed moment could find worker 0 between requests (once on CI: nothing to take over); wait for one
+        # it has started streaming.
+        running = await env.mid_generation(env.workers[0])
+        pid = env.kill_service(env.workers[0])
+        say(f"killed worker 0 (pid {pid}) at {load.now():.1f} s, {len(running)} requests in flight")
+        await env.workers[0].wait(300)
+        say(f"worker 0 healthy again at {load.now():.1f} s")
+
+
+@dataclass
+class RollWorkers(Base):
+    name: str = "roll-workers"
+    summary: str = "SIGTERM each worker in turn (a rolling deploy): drain, leave, start again"
+
+    async def inject(self, env: ChaosEnv, load: Load, say: Say) -> None:
+        await _until(load, self.fault_at_s)
+        for i, worker in enumerate(env.workers):
+            await asyncio.to_thread(worker.stop)
+            say(f"worker {i} stopped at {load.now():.1f} s")
+            worker.start()
+            await worker.wait(300)
+            say(f"worker {i} back at {load.now():.1f} s")
+
+
+@dataclass
+class AddWorker(Base):
+    name: str = "add-worker"
+    summary: str = "a second worker joins while one worker has a backlog"
+    workers: int = 1
+
+    def knobs(self, knobs: Knobs) -> Knobs:
+        return Knobs(**{**knobs.__dict__, "max_seqs": 6})  # a small engine: a backlog builds up
+
+    async def inject(self, env: ChaosEnv, load: Load, say: Say) -> None:
+        await _until(load, self.fault_at_s)
+        worker = env.add_worker()
+        await worker.wait(300)
+        say(f"worker {len(env.workers) - 1} joined at {load.now():.1f} s")
+
+
+@dataclass
+class RestartBroker(Base):
+    name: str = "restart-broker"
+    summary: str = "stop the Kafka broker and start it again (the whole local stack's broker)"
+
+    async def inject(self, env: ChaosEnv, load: Load, say: Say) -> None:
+        await _restart_infra(env, load, say, "kafka", self.fault_at_s, down_s=2.0)
+
+
+@dataclass
+class StopCassandra(Base):
+    name: str = "stop-cassandra"
+    summary: str = "stop Cassandra for a while (the local stack's), then start it again"
+    down_s: float = 60.0
+
+    async def inject(self, env: ChaosEnv, load: Load, say: Say) -> None:
+        await _restart_infra(env, load, say, "cassandra", self.fault_at_s, down_s=self.down_s)
+
+
+async def _restart_infra(env: ChaosEnv, load: Load, say: Say, name: str, at: float, *, down_s: float) -> None:
+    await _until(load, at)
+    manager = env.stack()
+    service = manager.service(name)
+    await asyncio.to_thread(stop_pid, manager.pid_file(service), timeout_s=60)
+    say(f"{name} stopped at {load.now():.1f} s")
+    await asyncio.sleep(down_s)
+    await manager.up(app=False)
+    say(f"{name} healthy again at {load.now():.1f} s")
+
+
+@dataclass
+class RestartRedis(Base):
+    name: str = "restart-redis"
+    summary: str = "restart Redis without persistence: every claim, lease and liveness key is lost"
+
+    async def inject(self, env: ChaosEnv, load: Load, say: Say) -> None:
+        await _until(load, self.fault_at_s)
+        await env.restart_redis()
+        say(f"Redis restarted empty at {load.now():.1f} s")
+
+
+@dataclass
+class FinalizeCrash(Base):
+    name: str = "finalize-crash"
+    summary: str = "a worker dies after writing finals in a transaction, before committing it"
+
+    async def inject(self, env: ChaosEnv, load: Load, say: Say) -> None:
+        env.arm("finalize.before_commit", "kill")
+        say("armed: the first worker to finalize dies before its commit")
+        await _until(load, self.fault_at_s)
+
+
+@dataclass
+class TimeoutStorm(Base):
+    name: str = "timeout-storm"
+    summary: str = "every worker stopped: requests time out at the gateway; workers come back"
+    workers: int = 1
+    fault_at_s: float = 0.0
+    outage_s: float = 8.0
+    deadlines: tuple[float, float] = field(default=(3.0, 2.0))
+    after: int = 8
+
+    def knobs(self, knobs: Knobs) -> Knobs:
+        return Knobs(**{**knobs.__dict__, "queue_deadline_s": self.deadlines[0],
+                        "first_token_grace_s": self.deadlines[1]})
+
+    async def before_load(self, env: ChaosEnv, say: Say) -> None:
+        # Before the load, not during it: a stopping worker drains what it has, and on a fast machine that was
+        # every request of the load (one run in six timed nothing out).
+        for worker in env.workers:
+            await asyncio.to_thread(worker.stop)
+        say("workers stopped before the load")
+
+    async def inject(self, env: ChaosEnv, load: Load, say: Say) -> None:
+        await asyncio.sleep(self.outage_s)
+        for worker in env.workers:
+            worker.start()
+        await asyncio.gather(*(w.wait(300) for w in env.workers))
+        say(f"workers back at {load.now():.1f} s; {self.after} more requests")
+        await load.more(self.after)  # served normally: nothing queued for nobody stands in their way
+
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
+    KillWorker(), RollWorkers(), AddWorker(), RestartBroker(), StopCassandra(), RestartRedis(), FinalizeCrash(),
+    TimeoutStorm(),
+)}

@@ -1,0 +1,209 @@
+"""Orgs and keys through the admin HTTP API, seen by three gateway processes: a revoked key is refused by all of
+them within a second, an expired key and a key outside its model allow-list are refused, and bad admin input is
+a 4xx in OpenAI's error shape that writes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import httpx
+import pytest
+
+from producers.tenancy.admin import OPERATORS_ORG
+from tests.conftest import GATEWAY_PORT, SESSION, Caller
+from tests.e2e.conftest import MODEL, QUESTION
+from tests.helpers import ServiceProcess
+
+pytestmark = pytest.mark.e2e
+EXTRA_PORTS = (GATEWAY_PORT + 2, GATEWAY_PORT + 3)
+PORTS = (GATEWAY_PORT, *EXTRA_PORTS)
+
+
+@pytest.fixture(scope="module")
+def three_gateways(gateway: ServiceProcess, service_env: dict[str, str]) -> Iterator[tuple[int, ...]]:
+    procs = [ServiceProcess(f"gateway-{port}", "gateway",
+                            {**service_env, "KNS_GATEWAY__PORT": str(port),
+                             "KNS_GATEWAY__INSTANCE_ID": f"test-gateway-{port}-{SESSION}"},
+                            f"http://127.0.0.1:{port}/health") for port in EXTRA_PORTS]
+    for proc in procs:
+        proc.start()
+    try:
+        for proc in procs:
+            proc.wait_healthy(120)
+        yield PORTS
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+@pytest.fixture(scope="module")
+def admin_key(make_caller) -> str:  # type: ignore[no-untyped-def]
+    caller: Caller = make_caller(org=OPERATORS_ORG, tier="enterprise", admin=True)
+    return caller.secret
+
+
+def _url(port: int, path: str) -> str:
+    return f"http://127.0.0.1:{port}{path}"
+
+
+def _auth(secret: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {secret}"}
+
+
+def _new_org() -> str:
+    return f"org-ten-{uuid.uuid4().hex[:10]}"
+
+
+async def _admin(http: httpx.AsyncClient, admin_key: str, method: str, path: str, body: Any = None,
+                 port: int = GATEWAY_PORT) -> httpx.Response:
+    return await http.request(method, _url(port, f"/v1/admin{path}"), headers=_auth(admin_key),
+                              json=body)
+
+
+async def _org_with_key(http: httpx.AsyncClient, admin_key: str, **key: Any) -> tuple[str, dict[str, Any]]:
+    org = _new_org()
+    created = await _admin(http, admin_key, "POST", "/orgs", {"org_id": org, "tier": "plus"})
+    assert created.status_code == 201, created.text
+    issued = await _admin(http, admin_key, "POST", f"/orgs/{org}/keys", {"name": "k", **key})
+    assert issued.status_code == 201, issued.text
+    return org, issued.json()
+
+
+async def test_a_revoked_key_gets_401_on_every_gateway_within_a_second(three_gateways: tuple[int, ...],
+                                                                      admin_key: str) -> None:
+    async with httpx.AsyncClient(timeout=30) as http:
+        _, key = await _org_with_key(http, admin_key)
+        secret = key["value"]
+        # Issued through gateway A, usable at once through B and C (a miss catches up with the registry).
+        for port in three_gateways:
+            ok = await http.get(_url(port, "/v1/models"), headers=_auth(secret))
+            assert ok.status_code == 200, (port, ok.text)
+
+        revoked = await _admin(http, admin_key, "DELETE", f"/keys/{key['id']}", port=three_gateways[1])
+        assert revoked.status_code == 200 and revoked.json()["revoked_at"] is not None
+        acknowledged = time.monotonic()
+
+        async def refused_after(port: int) -> float:
+            while True:
+                answer = await http.get(_url(port, "/v1/models"), headers=_auth(secret))
+                if answer.status_code == 401:
+                    assert answer.json()["error"]["code"] == "invalid_api_key"
+                    return time.monotonic() - acknowledged
+                assert answer.status_code == 200
+                await asyncio.sleep(0.02)
+
+        delays = await asyncio.wait_for(asyncio.gather(*(refused_after(p) for p in three_gateways)), 10)
+    assert max(delays) < 1.0, f"revocation reached the gateways after {delays} s"
+
+
+async def test_an_expired_key_gets_401(gateway: ServiceProcess, admin_key: str) -> None:
+    async with httpx.AsyncClient(timeout=30) as http:
+        expires = datetime.now(UTC) + timedelta(seconds=3)
+        _, key = await _org_with_key(http, admin_key, expires_at=expires.isoformat())
+        assert (await http.get(_url(GATEWAY_PORT, "/v1/models"), headers=_auth(key["value"]))).status_code == 200
+        await asyncio.sleep(max(0.0, (expires - datetime.now(UTC)).total_seconds()) + 0.2)
+        answer = await http.get(_url(GATEWAY_PORT, "/v1/models"), headers=_auth(key["value"]))
+    assert answer.status_code == 401
+    assert answer.json()["error"]["code"] == "expired_api_key"
+
+
+async def test_a_model_outside_the_keys_allow_list_gets_403(gateway: ServiceProcess, admin_key: str) -> None:
+    async with httpx.AsyncClient(timeout=120) as http:
+        _, narrow = await _org_with_key(http, admin_key, models=["some-other-model"])
+        _, allowed = await _org_with_key(http, admin_key, models=[MODEL])
+        body = {"model": MODEL, "messages": QUESTION, "max_tokens": 2}
+        refused = await http.post(_url(GATEWAY_PORT, "/v1/chat/completions"), headers=_auth(narrow["value"]),
+                                  json=body)
+        served = await http.post(_url(GATEWAY_PORT, "/v1/chat/completions"), headers=_auth(allowed["value"]),
+                                 json=body)
+    assert refused.status_code == 403, refused.text
+    assert refused.json()["error"] | {"message": ""} == {
+        "message": "", "type": "permission_error", "param": "model", "code": "model_not_allowed"}
+    assert served.status_code == 200, served.text
+
+
+async def test_a_rotated_key_keeps_its_old_secret_for_the_grace_then_revocation_stops_both(
+        gateway: ServiceProcess, admin_key: str) -> None:
+    async with httpx.AsyncClient(timeout=30) as http:
+        _, key = await _org_with_key(http, admin_key)
+        rotated = await _admin(http, admin_key, "POST", f"/keys/{key['id']}/rotate", {"grace_s": 600})
+        assert rotated.status_code == 200, rotated.text
+        new = rotated.json()
+        assert new["id"] == key["id"] and new["value"] != key["value"]
+        for secret in (key["value"], new["value"]):
+            assert (await http.get(_url(GATEWAY_PORT, "/v1/models"), headers=_auth(secret))).status_code == 200
+        assert (await _admin(http, admin_key, "DELETE", f"/keys/{key['id']}")).status_code == 200
+        for secret in (key["value"], new["value"]):
+            assert (await http.get(_url(GATEWAY_PORT, "/v1/models"), headers=_auth(secret))).status_code == 401
+
+
+async def test_an_admin_key_is_for_the_admin_api_only(gateway: ServiceProcess, admin_key: str) -> None:
+    async with httpx.AsyncClient(timeout=30) as http:
+        answer = await http.get(_url(GATEWAY_PORT, "/v1/models"), headers=_auth(admin_key))
+    assert answer.status_code == 403 and answer.json()["error"]["code"] == "admin_key_not_allowed"
+
+
+async def test_bad_admin_input_gets_a_4xx_in_openai_shape_and_writes_nothing(gateway: ServiceProcess,
+                                                                             admin_key: str,
+                                                                             caller: Caller) -> None:
+    bad_org = _new_org()
+    async with httpx.AsyncClient(timeout=30) as http:
+        org, _ = await _org_with_key(http, admin_key)
+        cases: list[tuple[str, str, str, Any, int, str | None]] = [
+            ("negative limit", "POST", "/orgs",
+             {"org_id": bad_org, "tier": "free", "limits": {"requests_per_minute": -5}}, 400, "invalid_value"),
+            ("unknown tier", "POST", "/orgs", {"org_id": bad_org, "tier": "platinum"}, 400, "unknown_tier"),
+            ("bad org id", "POST", "/orgs", {"org_id": "Not An Id!", "tier": "free"}, 400, "invalid_value"),
+            ("unknown field", "POST", "/orgs", {"org_id": bad_org, "tier": "free", "colour": "red"}, 400,
+             "unknown_parameter"),
+            ("missing tier", "POST", "/orgs", {"org_id": bad_org}, 400, "missing_required_parameter"),
+            ("negative budget", "POST", "/orgs", {"org_id": bad_org, "tier": "free", "monthly_budget_usd": -1},
+             400, "invalid_value"),
+            ("existing org", "POST", "/orgs", {"org_id": org, "tier": "free"}, 409, "organization_exists"),
+            ("key for unknown org", "POST", f"/orgs/{bad_org}/keys", {"name": "x"}, 404,
+             "organization_not_found"),
+            ("expiry in the past", "POST", f"/orgs/{org}/keys", {"expires_at": "2020-01-01T00:00:00Z"}, 400,
+             "invalid_expiry"),
+            # review findings: each of these was a 500 or was accepted
+            ("expiry without a zone", "POST", f"/orgs/{org}/keys", {"expires_at": "2020-01-01T00:00:00"}, 400,
+             "invalid_expiry"),
+            ("limit beyond its type", "POST", "/orgs",
+             {"org_id": bad_org, "tier": "free", "limits": {"max_concurrent": 2**31}}, 400, "invalid_value"),
+            ("limit as a bool", "POST", "/orgs",
+             {"org_id": bad_org, "tier": "free", "limits": {"requests_per_minute": True}}, 400, "invalid_value"),
+            ("org id with a newline", "POST", "/orgs", {"org_id": bad_org + "\n", "tier": "free"}, 400,
+             "invalid_value"),
+            ("admin as a string", "POST", f"/orgs/{org}/keys", {"admin": "true"}, 400, "invalid_value"),
+            ("body not an object", "POST", "/orgs", [1, 2], 400, "invalid_json"),
+            ("unknown tier on update", "PATCH", f"/orgs/{org}", {"tier": "platinum"}, 400, "unknown_tier"),
+            ("unknown org on update", "PATCH", f"/orgs/{bad_org}", {"tier": "free"}, 404,
+             "organization_not_found"),
+            ("unknown key", "DELETE", "/keys/key_nope", None, 404, "api_key_not_found"),
+            ("negative grace", "POST", "/keys/key_nope/rotate", {"grace_s": -1}, 400, "invalid_value"),
+        ]
+        for name, method, path, body, status, code in cases:
+            answer = await _admin(http, admin_key, method, path, body)
+            assert answer.status_code == status, (name, answer.text)
+            error = answer.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["code"] == code, (name, error)
+
+        malformed = await http.post(_url(GATEWAY_PORT, "/v1/admin/orgs"), headers={
+            **_auth(admin_key), "content-type": "application/json"}, content=b'{"org_id": ')
+        assert malformed.status_code == 400 and malformed.json()["error"]["code"] == "invalid_json"
+        not_admin = await http.post(_url(GATEWAY_PORT, "/v1/admin/orgs"), headers=_auth(caller.secret),
+                                    json={"org_id": bad_org, "tier": "free"})
+        assert not_admin.status_code == 403 and not_admin.json()["error"]["code"] == "insufficient_permissions"
+        anonymous = await http.get(_url(GATEWAY_PORT, "/v1/admin/orgs"))
+        assert anonymous.status_code == 401
+
+        # Nothing was half-written: the org of the refused requests does not exist, the good org is unchanged.
+        assert (await _admin(http, admin_key, "GET", f"/orgs/{bad_org}")).status_code == 404
+        unchanged = (await _admin(http, admin_key, "GET", f"/orgs/{org}")).json()
+        assert unchanged["tier"] == "plus"
+        listed = (await _admin(http, admin_key, "GET", f"/orgs/{org}/keys")).json()["data"]
+        assert len(listed) == 1 and "value" not in listed[0]

@@ -1,0 +1,208 @@
+"""In-memory stand-ins for the worker's Kafka- and Redis-facing seams (``inference_workers/protocol.py``).
+
+``ReplyLog`` is the token topic: what the sink emits and what the finalizer commits land in it in order, and
+the prefix reader merges it with the real :class:`schemas.token_stream.TokenStream`, as the real one reads Kafka.
+Commits go through the real :class:`inference_workers.offsets.OffsetTracker`. A transaction can be made to
+"abort" after its final was written (as a worker killed between send and commit leaves it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from aiokafka import TopicPartition
+from aiokafka.structs import OffsetAndMetadata
+
+from inference_workers.claims import Claim, ClaimVerdict
+from inference_workers.emitter import Finished, PartitionLost
+from inference_workers.offsets import CommittedState, OffsetTracker, decode_state
+from inference_workers.resume import EmittedPrefix
+from schemas.events import ChatRequest, TokenEvent, UsageEvent
+from schemas.token_stream import TokenStream
+
+
+@dataclass
+class Sent:
+    event: TokenEvent
+    partition: int
+    committed: bool = True  # False: written inside a transaction that aborted
+
+
+class ReplyLog:
+    """The token topic, all partitions, in log order."""
+
+    def __init__(self) -> None:
+        self.records: list[Sent] = []
+
+    def events(self, request_id: str) -> list[TokenEvent]:
+        return [s.event for s in self.records if s.event.request_id == request_id]
+
+    def client_view(self, request_id: str) -> tuple[str, TokenStream]:
+        """What the request's client receives: the relay's merge of everything in the log (read_uncommitted)."""
+        stream, text = TokenStream(request_id), ""
+        for event in self.events(request_id):
+            accepted = stream.put(event)
+            if accepted is not None:
+                text += accepted.text
+        return text, stream
+
+
+class FakeSink:
+    def __init__(self, log: ReplyLog) -> None:
+        self.log = log
+        #: token offsets whose delta the "broker" refuses
+        self.refuse_at: set[int] = set()
+
+    async def emit(self, event: TokenEvent, partition: int, traceparent: str | None) -> asyncio.Future[object]:
+        delivery: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        if event.token_offset in self.refuse_at:
+            delivery.set_exception(ConnectionError("broker refused the delta"))
+        else:
+            self.log.records.append(Sent(event, partition))
+            delivery.set_result(type("Meta", (), {"offset": len(self.log.records) - 1})())
+        await asyncio.sleep(0)
+        return delivery
+
+
+class FakeClaims:
+    """The claim script's rules (``inference_workers/claims.py``), in memory."""
+
+    def __init__(self) -> None:
+        self.claims: dict[str, dict[str, object]] = {}
+        self.fail_with: Exception | None = None
+        #: when set, claim() waits for it (a Redis round trip the test controls)
+        self.hold: asyncio.Event | None = None
+        self.calls = 0
+
+    async def claim(self, request_id: str, source: str, attempt: int, *, org_id: str = "", key_id: str = ""
+                    ) -> Claim:
+        self.calls += 1
+        if self.hold is not None:
+            await self.hold.wait()
+        if self.fail_with is not None:
+            raise self.fail_with
+        entry = self.claims.get(request_id)
+        if entry is None or "src" not in entry:
+            self.claims[request_id] = {**(entry or {}), "src": source, "attempt": attempt, "before": 0}
+            return Claim(ClaimVerdict.START, 0)
+        if entry["src"] != source:
+            return Claim(ClaimVerdict.DUPLICATE)
+        if entry.get("done"):
+            return Claim(ClaimVerdict.DONE)
+        current = int(entry["attempt"])  # type: ignore[call-overload]
+        if current >= attempt:
+            return Claim(ClaimVerdict.STALE, current)
+        entry.update(attempt=attempt, before=current)
+        return Claim(ClaimVerdict.START, current)
+
+    def forget(self) -> None:
+        """What a Redis restarted without persistence leaves: nothing."""
+        self.claims.clear()
+
+    async def record_first_offset(self, request_id: str, offset: int) -> None:
+        self.claims.setdefault(request_id, {}).setdefault("first_offset", offset)
+
+    async def first_offset(self, request_id: str) -> int | None:
+        value = self.claims.get(request_id, {}).get("first_offset")
+        return None if value is None else int(value)  # type: ignore[call-overload]
+
+    async def mark_done(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.claims.setdefault(rid, {})["done"] = True
+
+
+@dataclass
+class FakeGroup:
+    """What the workers of one group share: the reply log, the claims, the usage topic, the committed offsets and
+    which worker's producer currently owns each partition's transactional id (the others are fenced)."""
+
+    log: ReplyLog = field(default_factory=ReplyLog)
+    claims: FakeClaims = field(default_factory=FakeClaims)
+    usage: list[UsageEvent] = field(default_factory=list)
+    committed: dict[TopicPartition, OffsetAndMetadata] = field(default_factory=dict)
+    txn_owner: dict[TopicPartition, str] = field(default_factory=dict)
+    #: the consumer group's generation: every rebalance makes a new one
+    generation: int = 0
+
+    def read_committed(self, partitions: set[TopicPartition]) -> dict[TopicPartition, CommittedState]:
+        out = {}
+        for tp in partitions:
+            om = self.committed.get(tp)
+            out[tp] = CommittedState(0, 0, frozenset()) if om is None else decode_state(om.offset, om.metadata)
+        return out
+
+
+class FakeTransactions:
+    """Per-partition transactional ids: acquiring one fences whoever held it."""
+
+    def __init__(self, group: FakeGroup, worker: str) -> None:
+        self._group = group
+        self._worker = worker
+        self._owned: set[TopicPartition] = set()
+
+    def owned(self) -> set[TopicPartition]:
+        return set(self._owned)
+
+    def fenced(self, tp: TopicPartition) -> bool:
+        return self._group.txn_owner.get(tp) != self._worker
+
+    async def acquire(self, tp: TopicPartition) -> None:
+        self._group.txn_owner[tp] = self._worker
+        self._owned.add(tp)
+
+    async def release(self, tp: TopicPartition) -> None:
+        self._owned.discard(tp)
+
+
+@dataclass
+class FakeFinalizer:
+    """Commits at once, through the real offset tracker, into the group's log, usage and committed offsets."""
+
+    group: FakeGroup
+    offsets: OffsetTracker
+    transactions: FakeTransactions
+    #: abort (after writing the final) the next transaction: a worker killed between send and commit
+    abort_next: bool = False
+    finished: list[Finished] = field(default_factory=list)
+
+    async def finish(self, item: Finished) -> None:
+        await asyncio.sleep(0)
+        if self.transactions.fenced(item.source):
+            raise PartitionLost("fenced")
+        if self.abort_next:
+            self.abort_next = False
+            self.group.log.records.append(Sent(item.final, item.reply_partition, committed=False))
+            raise asyncio.CancelledError  # the worker "died" here: nothing after this happens
+        self.group.log.records.append(Sent(item.final, item.reply_partition))
+        if item.usage is not None:
+            self.group.usage.append(item.usage)
+        self.finished.append(item)
+        self.offsets.done(item.source, item.offset)
+        self._commit(item.source)
+        await self.group.claims.mark_done([item.final.request_id])
+
+    def commit_offsets_soon(self, tp: TopicPartition) -> None:
+        if not self.transactions.fenced(tp):
+            self._commit(tp)
+
+    def _commit(self, tp: TopicPartition) -> None:
+        offsets = self.offsets.committable([tp])
+        if offsets:
+            self.offsets.committed(offsets)
+            self.group.committed.update(offsets)
+
+    async def flush(self, timeout_s: float | None = None) -> None:
+        await asyncio.sleep(0)
+
+
+class FakePrefixReader:
+    def __init__(self, log: ReplyLog) -> None:
+        self.log = log
+        self.reads = 0
+
+    async def read(self, request: ChatRequest, first_offset: int | None) -> EmittedPrefix:
+        self.reads += 1
+        await asyncio.sleep(0)
+        text, stream = self.log.client_view(request.request_id)
+        return EmittedPrefix(list(stream.token_ids), text, stream.attempt, stream.final, stream.error)

@@ -1,0 +1,92 @@
+"""A request whose produce fails ambiguously at the gateway (an adversarial review's finding; failed before the fix)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from aiokafka.errors import KafkaTimeoutError
+
+from producers.gateway.errors import ApiError, unavailable
+from producers.gateway.protocol import ChatCompletionRequest
+from producers.gateway.service import ChatService
+from runtime.settings import GatewaySettings, TenancySettings
+from schemas.events import ChatRequest, SamplingSpec
+from tests.fakes.tenancy import api_key
+
+
+class Relay:
+    def __init__(self) -> None:
+        self.registered: list[str] = []
+
+    def register(self, request_id: str) -> object:
+        self.registered.append(request_id)
+        return object()
+
+    def unregister(self, request_id: str) -> None:
+        pass
+
+
+class TimedOutPublisher:
+    """``send_and_wait`` timed out: the record may well be in the log (the broker appended it, the ack was lost;
+    or the batch is still in the producer's accumulator and goes out after the error)."""
+
+    def __init__(self) -> None:
+        self.submitted: list[ChatRequest] = []
+        self.cancelled: list[str] = []
+
+    async def submit(self, request: ChatRequest, traceparent: str) -> None:
+        self.submitted.append(request)
+        try:
+            raise KafkaTimeoutError()
+        except KafkaTimeoutError as exc:  # what EventPublisher.submit does (publisher.py:45-46)
+            raise unavailable("The request queue is unavailable (KafkaTimeoutError); retry shortly.") from exc
+
+    async def cancel(self, request_id: str, reason: str, traceparent: str | None = None,
+                     delivered_tokens: int | None = None) -> None:
+        self.cancelled.append(request_id)
+
+
+async def test_a_request_whose_produce_timed_out_is_cancelled_before_the_client_is_told_503() -> None:
+    """Promise 2 ('nothing billed for requests nobody received'). service.py:106-111: when ``submit`` raises
+    (a KafkaTimeoutError during a broker restart or leader move), the gateway unregisters the request and
+    answers 503 - and produces no CANCEL. If the record did reach the log (ack lost / sent after the error),
+    a worker generates the whole answer for nobody and bills it (its gateway is alive, so the presence check
+    never fires); the client, told to retry, is billed a second time for its retry."""
+    prompts = SimpleNamespace(card=SimpleNamespace(served_name="m"), render=lambda messages: [1, 2, 3],
+                              sampling=lambda body, n: SamplingSpec(max_tokens=8))
+    publisher = TimedOutPublisher()
+    chat = ChatService(GatewaySettings(instance_id="gw"), prompts, publisher, Relay(), 0,  # type: ignore[arg-type]
+                       "gw/1")
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
+    with pytest.raises(ApiError) as raised:
+        await chat.accept(body, api_key(), client_addr=None, traceparent="00-0-0-01")
+    assert raised.value.status == 503
+    await chat.drain()
+    (request,) = publisher.submitted
+    assert publisher.cancelled == [request.request_id], "no CANCEL for a request that may be in the queue"
+
+
+class RecordingPublisher(TimedOutPublisher):
+    async def submit(self, request: ChatRequest, traceparent: str) -> None:
+        self.submitted.append(request)
+
+
+async def test_each_tier_gets_its_own_queue_deadline_and_the_gateway_waits_for_exactly_that() -> None:
+    """Issue 9 item 5: a request carries its tier's queue deadline (the worker refuses it after that, unbilled), and
+    the gateway's own patience for a first token is that deadline plus the grace, not a global timeout."""
+    prompts = SimpleNamespace(card=SimpleNamespace(served_name="m"), render=lambda messages: [1, 2, 3],
+                              sampling=lambda body, n: SamplingSpec(max_tokens=8))
+    tiers = TenancySettings().tiers.policies()
+    tiers["free"] = tiers["free"].model_copy(update={"queue_deadline_s": 5.0})
+    chat = ChatService(GatewaySettings(instance_id="gw", queue_deadline_s=60.0, first_token_grace_s=7.0), prompts,
+                       RecordingPublisher(), Relay(), 0, "gw/1", tiers=tiers)  # type: ignore[arg-type]
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
+    free = await chat.accept(body, api_key(tier="free"), client_addr=None, traceparent="00-0-0-01")
+    plus = await chat.accept(body, api_key(tier="plus"), client_addr=None, traceparent="00-0-0-01")
+    for accepted, deadline_s in ((free, 5.0), (plus, 60.0)):
+        request = accepted.request
+        assert request.deadline_at is not None
+        assert (request.deadline_at - request.created_at).total_seconds() == deadline_s
+        patience = chat._patience(accepted)
+        assert deadline_s + 7.0 - 1.0 < patience <= deadline_s + 7.0

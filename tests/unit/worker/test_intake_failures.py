@@ -1,0 +1,121 @@
+"""The intake under failures of what it depends on (the fakes stand in for Kafka and Redis): queue deadlines, a
+lost delta, a Redis outage while claiming, an undecodable record, a gateway that is gone."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiokafka import TopicPartition
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from inference_workers.offsets import Taken
+from inference_workers.presence import GatewayPresence
+from schemas.errors import DecodeError, RetryLater
+from schemas.headers import request_headers
+from tests.fakes.engine import FakeEngine
+from tests.fakes.kafka import FakeGroup
+from tests.fakes.worker import TOPIC, FakeWorker, record, request
+
+P0 = TopicPartition(TOPIC, 0)
+
+
+async def test_a_request_past_its_queue_deadline_is_not_generated_nor_billed() -> None:
+    """Defect 3: a request older than any client would wait for used to be generated to max_tokens for nobody."""
+    group = FakeGroup()
+    worker = FakeWorker("w1", group)
+    await worker.assign(0)
+    req = request(deadline_in_s=-1)
+    await worker.handle(req, 0, 0)
+    await worker.settle()
+    assert worker.engine.generations == [] and group.usage == []
+    (final,) = group.log.events(req.request_id)
+    assert (final.finish_reason, final.error_code) == ("error", "queue_deadline_exceeded")
+    assert group.committed[P0].offset == 1
+
+
+async def test_a_lost_delta_ends_the_stream_in_error_and_bills_only_what_reached_the_gateway() -> None:
+    """Defect 8: a failed delta send was only logged; the client silently missed text."""
+    group = FakeGroup()
+    worker = FakeWorker("w1", group, FakeEngine(auto=False))
+    await worker.assign(0)
+    req = request(max_tokens=10)
+    worker.intake._sink.refuse_at = {3}  # type: ignore[attr-defined]
+    await worker.handle(req, 0, 0)
+    worker.engine.step(req.request_id, 10)
+    await worker.settle()
+    (usage,) = group.usage
+    assert usage.completion_tokens == 3 and usage.finish_reason == "error"
+    text, stream = group.log.client_view(req.request_id)
+    assert stream.final is None and stream.error is not None and "missing" in stream.error  # never a silent gap
+    assert text.count(" t") == 3
+    assert worker.engine.generation(req.request_id).aborted  # generation stopped early, not run to the end
+
+
+async def test_redis_down_while_claiming_defers_the_record_and_loses_nothing() -> None:
+    """Defect 7: a Redis error from the claim ended the worker's consumer task (and the worker)."""
+    group = FakeGroup()
+    worker = FakeWorker("w1", group)
+    await worker.assign(0)
+    req = request()
+    group.claims.fail_with = RedisConnectionError("Redis is restarting")
+    with pytest.raises(RetryLater):
+        await worker.handle(req, 0, 0)
+    assert worker.offsets.classify(P0, 0) is Taken.NEW  # handed back, fetched again
+    assert worker.intake.degraded and "Redis" in worker.intake.degraded
+    group.claims.fail_with = None
+    await worker.handle(req, 0, 0)
+    await worker.settle()
+    assert worker.intake.degraded is None
+    assert [u.request_id for u in group.usage] == [req.request_id]
+
+
+async def test_an_undecodable_request_is_answered_at_once_from_its_headers() -> None:
+    """Defect 11: a record whose schema a worker does not know was skipped silently: the client waited 120 s."""
+    group = FakeGroup()
+    worker = FakeWorker("w1", group)
+    await worker.assign(0)
+    raw = record(0, 0, b"\xc3\x01" + b"\x00" * 8 + b"body", headers=request_headers("chatcmpl-x", 5))
+    await worker.intake.undecodable(raw, DecodeError("unknown schema fingerprint 00"))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    (final,) = group.log.events("chatcmpl-x")
+    assert (final.finish_reason, final.error_code) == ("error", "undecodable_request")
+    assert group.log.records[0].partition == 5 and group.usage == []
+    assert group.committed[P0].offset == 1
+
+
+async def test_the_streams_of_a_gateway_that_is_gone_are_cancelled_and_billed_for_what_reached_it() -> None:
+    """Defect 3: when a gateway died its relay's tokens went to nobody, generated to max_tokens and billed."""
+
+    class Redis:
+        alive = {"gw/alive", "gw/dead"}
+
+        async def mget(self, keys: list[str]) -> list[str | None]:
+            return ["1" if k.endswith(tuple(self.alive)) else None for k in keys]
+
+    from runtime.settings import RedisSettings
+
+    group = FakeGroup()
+    worker = FakeWorker("w1", group, FakeEngine(auto=False))
+    await worker.assign(0)
+    gone, kept = request(max_tokens=100, gateway="gw/dead"), request(max_tokens=100, gateway="gw/alive")
+    await worker.handle(gone, 0, 0)
+    await worker.handle(kept, 0, 1)
+    redis = Redis()
+    presence = GatewayPresence(redis, RedisSettings(), worker.intake, check_every_s=1, grace_s=0)  # type: ignore[arg-type]
+    worker.engine.step(gone.request_id, 2)
+    for _ in range(10):
+        await asyncio.sleep(0)
+    await presence.check()  # both gateways alive: the 2 tokens may have reached the client
+    redis.alive.discard("gw/dead")  # the gateway dies
+    worker.engine.step(gone.request_id, 3)  # generated for nobody
+    for _ in range(10):
+        await asyncio.sleep(0)
+    await presence.check()
+    await asyncio.gather(*(j.task for j in list(worker.intake.jobs.values()) if j.task and
+                           j.request.request_id == gone.request_id), return_exceptions=True)
+    assert [u.finish_reason for u in group.usage] == ["cancelled"]
+    assert group.usage[0].completion_tokens == 2  # what the gateway could have delivered, not the 5 generated
+    assert kept.request_id in worker.intake.jobs
+    await worker.assign()

@@ -1,0 +1,122 @@
+"""Rebalances with a zombie (a worker that missed a generation of the group), from an adversarial review: each
+test failed on the first version of the rebalance code for the reason in its docstring.
+"""
+
+from __future__ import annotations
+
+from aiokafka import TopicPartition
+
+from inference_workers.assignor import Member, assign
+from schemas.events import ChatRequest
+from tests.fakes.engine import FakeEngine
+from tests.fakes.kafka import FakeGroup
+from tests.fakes.worker import TOPIC, make, pump, request
+
+P0 = TopicPartition(TOPIC, 0)
+
+
+def copy(req: ChatRequest) -> ChatRequest:
+    return req.model_copy(deep=True)
+
+
+async def test_an_expelled_worker_that_gets_its_partition_back_acquires_it_again(
+) -> None:
+    """Promises 1 and 2, plus an indefinite outage of a request partition.
+
+    1. w1 owns p0 and streams request R (attempt 1). w1 stalls longer than the session timeout.
+    2. The group gives p0 to w2: w2.acquire fences w1's transactional id; w2 takes R over (attempt 2).
+    3. w1 wakes, rejoins (eager: revoke all, then assign); the assignor gives p0 back to w1 (test above).
+    4. rebalance.py:63-64 computes moved/gained against ``transactions.owned()`` - w1 still holds its old,
+       *fenced* producer for p0, so p0 counts as **kept**: no acquire (w2 is not fenced back), no committed
+       state read, w1's stale jobs for p0 go on as attempt 1, which the relay now drops as stale (attempt 2
+       was seen), while w2 aborts attempt 2 (p0 moved). R's client receives nothing more.
+    5. w1's first commit on p0 is fenced -> partition_lost (rebalance.py:98-108) suspends p0, aborts its
+       jobs, drops its offsets and producer. The group still assigns p0 to w1 and nothing triggers a
+       rebalance: no record of p0 is admitted again (every request keyed to p0 ends in a 504 after 90 s) until
+       some unrelated membership change. Nothing is billed for the tokens R's client received."""
+    group = FakeGroup()
+    w1, w2 = make("w1", group, FakeEngine(auto=False)), make("w2", group, FakeEngine(auto=False))
+    await w1.assign(0)
+    req = request(max_tokens=6)
+    await w1.handle(req, 0, 0)
+    w1.engine.step(req.request_id, 2)
+    await pump()
+
+    # 2. w1 is stalled; the group moves p0 to w2 (w1's listener does not run)
+    await w2.assign(0)
+    await w2.handle(copy(req), 0, 0)
+    w2.engine.step(req.request_id, 1)
+    await pump()
+    assert group.txn_owner[P0] == "w2"
+
+    # 3.-4. w1 rejoins and gets p0 back; w2 loses it. The real assignor does that when w1 reports more requests
+    # in flight on p0 than w2 (both claim p0: w1's StickyLoadAssignor._owned is not cleared when it is kicked out;
+    # assignor.py:53-59 gives a contested partition to the busier claimant).
+    after = assign({TOPIC: [0, 1]}, {"w1": Member({TOPIC}, {P0}, {P0: w1.offsets.open_count(P0) + 4}),
+                                      "w2": Member({TOPIC}, {P0, TopicPartition(TOPIC, 1)},
+                                                   {P0: w2.offsets.open_count(P0)})})
+    assert P0 in after["w1"]
+    await w1.assign(0)
+    await w2.assign()
+    assert group.txn_owner[P0] == "w1", "w1 treated p0 as kept: it still commits with the producer w2 fenced"
+
+
+async def test_a_zombie_that_regains_its_partition_takes_it_over_cleanly_and_serves_it() -> None:
+    """Step 5 of the previous scenario. An expelled worker that gets its partition back must not keep its fenced
+    producer (a 'kept' partition it could never commit on, dropped at the first fenced commit while the group
+    still assigns it to this worker: nobody would serve it). Expelled, it drops everything; regained, the
+    partition is acquired again (fencing the previous owner), its requests are taken over, and it is served."""
+    group = FakeGroup()
+    w1, w2 = make("w1", group, FakeEngine(auto=False)), make("w2", group, FakeEngine(auto=False))
+    await w1.assign(0)
+    req = request(max_tokens=3)
+    await w1.handle(req, 0, 0)
+    w1.engine.step(req.request_id, 1)
+    await pump()
+    await w2.assign(0)  # w1 stalled: p0 moves to w2, w1 fenced
+    await w2.handle(copy(req), 0, 0)
+    await pump()
+    await w1.assign(0)  # w1 rejoins (it was expelled) and p0 comes back to it
+    await w2.assign()
+    assert group.txn_owner[P0] == "w1"  # acquired again, not kept with the fenced producer
+    await w1.handle(copy(req), 0, 0)  # re-fetched from the committed offset: taken over
+    w1.engine.step(req.request_id, 2)
+    await w1.settle()
+    (usage,) = group.usage
+    _, stream = group.log.client_view(req.request_id)
+    assert stream.final is not None and stream.error is None
+    assert (usage.completion_tokens, stream.tokens) == (3, 3)
+
+    later = request()
+    await w1.handle(later, 0, 1)  # a new request on p0, which the group assigns to w1
+    await pump()
+    assert any(g.request_id.startswith(later.request_id) for g in w1.engine.generations), (
+        "p0 is assigned to w1 by the group but w1 refuses its records: nobody serves p0")
+
+
+async def test_a_zombie_that_refetches_a_record_of_the_new_owner_leaves_it_alone() -> None:
+    """Promise 1. Fetching needs no group membership: a worker that resumes after a stall longer than the session
+    timeout keeps fetching and admitting from its old assignment until its next heartbeat tells it to rejoin. Its
+    position on p0 is behind what the new owner w2 has already taken, so it re-fetches a record w2 is generating
+    right now. It must not take the request over (that would make the rightful owner's stream stale at the relay
+    and leave the client hanging): its claim is from an older generation, so it is stale."""
+    group = FakeGroup()
+    w1, w2 = make("w1", group, FakeEngine(auto=False)), make("w2", group, FakeEngine(auto=False))
+    await w1.assign(0)  # w1 owns p0 ... and stalls (before fetching offset 0)
+    await w2.assign(0)  # the group gives p0 to w2 (w1 missed the rebalance)
+    req = request(max_tokens=6)
+    await w2.handle(req, 0, 0)
+    w2.engine.step(req.request_id, 2)
+    await pump()
+
+    await w1.handle(copy(req), 0, 0)  # w1 resumes: its fetch from its old position returns offset 0
+    await pump()
+    assert w1.prefix.reads == 0 and w1.engine.generations == []  # left alone
+    assert not w1.intake.accepts(P0)  # and it admits nothing more from p0 until the group tells it what it owns
+    await w1.assign()  # its next heartbeat: rejoin; p0 is w2's
+    w2.engine.step(req.request_id, 4)  # the rightful owner finishes and commits it
+    await w2.settle()
+
+    _, stream = group.log.client_view(req.request_id)
+    assert stream.final is not None and stream.error is None and stream.tokens == 6
+    assert [u.completion_tokens for u in group.usage] == [6]
