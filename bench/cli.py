@@ -261,3 +261,36 @@ def relay(
             busy = ", ".join(f"{k} {v:.2f}" for k, v in sorted(lv["cpu_cores"].items(), key=lambda kv: -kv[1]))
             console.print(f"  {lv['streams']} streams, CPU cores busy: {busy}")
     console.print(f"[green]saved[/green] {save('relay', result)}")
+
+
+@app.command("limiter")
+def limiter(
+    requests: int = typer.Option(2000, min=100, help="Sequential calls of each step (latency)."),
+    tasks: int = typer.Option(64, min=1, help="Tasks calling at once (admissions per second)."),
+    seconds: float = typer.Option(8.0, min=1, help="Length of each throughput run."),
+    concurrency: int = typer.Option(64, min=1, help="HTTP clients at once against one gateway."),
+) -> None:
+    """What the key check and the rate limiter add per request, and what one gateway process admits per second."""
+    from bench.limiter import run
+
+    result = asyncio.run(run(load_settings(), requests=requests, tasks=tasks, seconds=seconds,
+                             concurrency=concurrency, say=lambda msg: console.print(f"[dim]•[/dim] {msg}")))
+    table = Table(title="key check and limiter, in one process (real Redis)")
+    for column in ("step", "p50 ms", "p99 ms", "per second (one process)"):
+        table.add_column(column, justify="right" if column != "step" else "left")
+    rates = result["in_process"]["per_second_one_process"]
+    for step, latency in result["in_process"]["latency_s"].items():
+        table.add_row(step, f"{latency['p50'] * 1000:.3f}", f"{latency['p99'] * 1000:.3f}",
+                      str(rates.get(step, "")))
+    console.print(table)
+    http = Table(title="one gateway process over HTTP (synthetic engine)")
+    for column in ("requests", "per second", "p50 ms", "p99 ms", "statuses", "CPU s (gateway / worker / client)"):
+        http.add_column(column)
+    for name, row in result["http"].items():
+        cpu = row["cpu_s"]
+        http.add_row(name, str(row["per_second"]), f"{row['latency_s']['p50'] * 1000:.1f}",
+                     f"{row['latency_s']['p99'] * 1000:.1f}", str(row["statuses"]),
+                     f"{cpu.get('gateway', 0):.1f} / {sum(v for k, v in cpu.items() if k.startswith('worker')):.1f}"
+                     f" / {cpu.get('load client', 0):.1f}")
+    console.print(http)
+    console.print(f"[green]saved[/green] {save('limiter', result)}")

@@ -15,7 +15,7 @@ from typing import Any
 import openai
 
 from bench.common import percentiles
-from producers.tenancy.admin import KeyCreate, open_admin
+from producers.tenancy.admin import UNLIMITED, KeyCreate, open_admin
 from runtime.kafka_clients import all_partitions, make_consumer
 from runtime.settings import Settings
 from schemas.codec import codec_for
@@ -62,7 +62,8 @@ async def _keys(settings: Settings, n: int) -> list[str]:
     """Fresh keys for the bench: the turning streams are safety violations, and the abuse detector suspends a
     key after a few of them (as it should)."""
     async with open_admin(settings) as admin:
-        return [(await admin.issue_key("org-bench", "enterprise", KeyCreate(name="bench"))).secret
+        return [(await admin.issue_key("org-bench", "enterprise", KeyCreate(name="bench"),
+                                                limits=UNLIMITED)).secret
                 for _ in range(n)]
 
 

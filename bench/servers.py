@@ -21,7 +21,7 @@ import httpx
 from inference_workers.engine import engine_args
 from ops.stack.manager import StackManager
 from ops.stack.process import PidFile, spawn, stop, tail
-from producers.tenancy.admin import KeyCreate, open_admin
+from producers.tenancy.admin import UNLIMITED, KeyCreate, open_admin
 from runtime.kafka_clients import ensure_topics
 from runtime.settings import REPO_ROOT, Settings
 from schemas.topics import TOPICS
@@ -113,7 +113,7 @@ async def pipeline(settings: Settings, *, namespace: str, gateway_port: int, wor
     kafka = settings.kafka.model_copy(update={"namespace": namespace})
     await ensure_topics(kafka, TOPICS.all())
     async with open_admin(settings.model_copy(update={"kafka": kafka})) as admin:
-        secret = (await admin.issue_key("org-bench", "enterprise", KeyCreate(name=prefix))).secret
+        secret = (await admin.issue_key("org-bench", "enterprise", KeyCreate(name=prefix), limits=UNLIMITED)).secret
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "KNS_KAFKA__NAMESPACE": namespace,
            "KNS_SAFETY__PREFILTER": "false", "KNS_GATEWAY__PORT": str(gateway_port),
            "KNS_GATEWAY__INSTANCE_ID": f"{prefix}-gateway-{namespace}", "KNS_WORKER__ADMIN_PORT": str(worker_port),

@@ -38,10 +38,10 @@ from aiokafka.structs import OffsetAndMetadata
 from redis.exceptions import RedisError
 
 from inference_workers.offsets import OffsetTracker
-from inference_workers.protocol import ClaimsT
+from inference_workers.protocol import ClaimsT, SettlementsT
 from inference_workers.transactions import PartitionTransactions
 from runtime.faults import NO_FAULTS, Faults
-from runtime.metrics import WORKER_FINALIZE_FAILURES, WORKER_TXN, WORKER_TXN_BATCH
+from runtime.metrics import LIMITER_SETTLED, WORKER_FINALIZE_FAILURES, WORKER_TXN, WORKER_TXN_BATCH
 from runtime.tracing import to_headers
 from schemas.codec import codec_for
 from schemas.errors import FatalError
@@ -110,13 +110,20 @@ class Finished:
 
 
 _STOP = object()
+#: settlements kept for retry while Redis is away, at most (the oldest are dropped: their reservations expire)
+MAX_UNSETTLED = 100_000
 
 
 class Finalizer:
     def __init__(self, transactions: PartitionTransactions, *, token_topic: str, usage_topic: str, group_id: str,
                  offsets: OffsetTracker, claims: ClaimsT, batch_max: int, give_up_s: float,
-                 on_partition_lost: PartitionLostCallback | None = None, faults: Faults = NO_FAULTS) -> None:
+                 on_partition_lost: PartitionLostCallback | None = None, faults: Faults = NO_FAULTS,
+                 settlements: SettlementsT | None = None) -> None:
         self._transactions = transactions
+        self._settlements = settlements
+        #: settlements Redis did not take yet (retried with backoff by ``_settle_retry``)
+        self._unsettled: list[tuple[str, int]] = []
+        self._settle_retry: asyncio.Task[None] | None = None
         self._token_topic = token_topic
         self._usage_topic = usage_topic
         self._group_id = group_id
@@ -156,10 +163,15 @@ class Finalizer:
             log.warning("finalizer flush timed out", extra={"timeout_s": timeout_s})
 
     async def stop(self) -> None:
-        if self._exited:
-            return  # the loop died (its error stops the worker): nobody would take the stop marker
-        self._queue.put_nowait(_STOP)
-        await self._queue.join()
+        if not self._exited:  # else the loop died (its error stops the worker): nobody would take the stop marker
+            self._queue.put_nowait(_STOP)
+            await self._queue.join()
+        if self._settle_retry is not None and not self._settle_retry.done():
+            self._settle_retry.cancel()
+            if self._unsettled and not await self._flush_settlements():
+                log.error("rate-limit settlements lost at stop", extra={"pending": len(self._unsettled)})
+            if self._settle_retry is not None:
+                self._settle_retry.cancel()
 
     def stalled_for(self) -> float:
         """Seconds the finalizer has been retrying without a commit (0: not stalled): unhealthy when long."""
@@ -289,6 +301,8 @@ class Finalizer:
 
     async def _committed(self, items: list[Finished]) -> None:
         if items:
+            # Settled first: the gap between the commit and the settlement is what a SIGKILL can lose.
+            await self._settle(items)
             try:
                 await self._claims.mark_done([item.final.request_id for item in items])
             except (RedisError, OSError):
@@ -297,6 +311,38 @@ class Finalizer:
         for item in items:
             if not item.committed.done():
                 item.committed.set_result(None)
+
+    async def _settle(self, items: list[Finished]) -> None:
+        """Tell the rate limiter what each request used: what was just committed, so billed exactly once."""
+        if self._settlements is None:
+            return
+        self._unsettled += [(item.final.request_id, item.usage.prompt_tokens + item.usage.completion_tokens
+                             if item.usage is not None else 0) for item in items]
+        del self._unsettled[:-MAX_UNSETTLED]
+        await self._flush_settlements()
+
+    async def _flush_settlements(self) -> bool:
+        assert self._settlements is not None
+        pending, self._unsettled = self._unsettled, []
+        try:
+            settled = await self._settlements.settle_many(pending)
+        except (RedisError, OSError):
+            # Kept and retried: the offsets are committed, so nothing else will ever settle these requests.
+            self._unsettled = pending + self._unsettled
+            log.warning("could not settle rate-limit reservations; retrying", extra={"pending": len(pending)})
+            if self._settle_retry is None or self._settle_retry.done():
+                self._settle_retry = asyncio.create_task(self._retry_settlements(), name="settle-retry")
+            return False
+        LIMITER_SETTLED.inc(settled)
+        return True
+
+    async def _retry_settlements(self) -> None:
+        delay = 0.5
+        while self._unsettled:
+            await asyncio.sleep(delay)
+            if await self._flush_settlements():
+                return
+            delay = min(delay * 2, 30.0)
 
 
 def _recorded_failure(producer: AIOKafkaProducer) -> BaseException | None:

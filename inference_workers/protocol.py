@@ -71,6 +71,12 @@ class ClaimsT(Protocol):
     async def mark_done(self, request_ids: list[str]) -> None: ...
 
 
+class SettlementsT(Protocol):
+    """Where the rate limiter learns what a finalized request used (``runtime.limiter.RateLimiter``)."""
+
+    async def settle_many(self, used: list[tuple[str, int]]) -> int: ...
+
+
 class TokenSinkT(Protocol):
     """Produces a request's non-final token events (``emitter.TokenSink``)."""
 

@@ -31,6 +31,7 @@ from inference_workers.transactions import PartitionTransactions
 from runtime.dead_letters import DeadLetters
 from runtime.faults import Faults
 from runtime.kafka_clients import committed_with_metadata, consume, make_consumer, make_producer
+from runtime.limiter import RateLimiter
 from runtime.redis_client import make_redis
 from runtime.settings import Settings
 from schemas.codec import codec_for
@@ -119,6 +120,7 @@ class Worker:
                 transactions, token_topic=token_topic, usage_topic=kafka.topic(TOPICS.usage.name), group_id=group,
                 offsets=offsets, claims=claims, batch_max=worker.finalize_batch_max,
                 give_up_s=worker.finalize_give_up_s, faults=Faults(s.faults),
+                settlements=RateLimiter(redis, s.redis),
             )
             self._finalizer = finalizer
             commit_loop = asyncio.create_task(finalizer.run(), name="finalizer")

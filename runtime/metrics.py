@@ -43,6 +43,17 @@ GATEWAY_LEASE = Counter(
     "kns_gateway_reply_lease_renewals_total", "Reply-partition lease renewals, by outcome", ["state"]
 )
 
+# --- limits -------------------------------------------------------------------------------------------
+LIMITER_DECISIONS = Counter(
+    "kns_limiter_decisions_total", "Admissions by outcome (admitted, or the limit that refused) and limiter",
+    ["outcome", "limiter"]
+)
+LIMITER_SECONDS = Histogram("kns_limiter_seconds", "Time one admission took", ["limiter"], buckets=_FAST)
+LIMITER_REDIS_DOWN = Counter(
+    "kns_limiter_redis_down_total", "Admissions with the shared limiter unreachable, by the tier's policy", ["policy"]
+)
+LIMITER_SETTLED = Counter("kns_limiter_settled_total", "Reservations settled by workers after their commit")
+
 # --- relay --------------------------------------------------------------------------------------------
 RELAY_EVENTS = Counter("kns_relay_events_total", "Token events read from the reply partition", ["kind"])
 RELAY_STREAMS = Gauge("kns_relay_streams", "Requests registered with the relay")

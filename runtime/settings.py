@@ -269,17 +269,26 @@ class AbuseSettings(BaseModel):
 
 
 class TierPolicy(BaseModel):
-    #: the tier's rates (the abuse detector flags a key at a multiple of them)
+    #: the tier's rates, per key and per org unless the org overrides them (the abuse detector flags a key at a
+    #: multiple of them)
     requests_per_minute: int = Field(gt=0)
     tokens_per_minute: int = Field(gt=0)
+    #: requests answered at once, per key and per org
+    max_concurrent: int = Field(gt=0)
+    #: admission while Redis (the shared limiter) is unreachable: "closed" refuses with 503, "local" admits
+    #: against a limiter of this process's own (``tenancy.local_share`` of the limits)
+    when_redis_down: Literal["closed", "local"] = "closed"
     #: a request of the tier must start generating within this long (None: ``gateway.queue_deadline_s``)
     queue_deadline_s: float | None = Field(default=None, gt=0)
 
 
 _TIER_DEFAULTS: dict[str, dict[str, object]] = {
-    "free": {"requests_per_minute": 30, "tokens_per_minute": 20_000, "queue_deadline_s": 30.0},
-    "plus": {"requests_per_minute": 600, "tokens_per_minute": 500_000},
-    "enterprise": {"requests_per_minute": 6_000, "tokens_per_minute": 5_000_000},
+    "free": {"requests_per_minute": 30, "tokens_per_minute": 20_000, "max_concurrent": 4, "queue_deadline_s": 30.0,
+             "when_redis_down": "closed"},
+    "plus": {"requests_per_minute": 600, "tokens_per_minute": 500_000, "max_concurrent": 64,
+             "when_redis_down": "local"},
+    "enterprise": {"requests_per_minute": 6_000, "tokens_per_minute": 5_000_000, "max_concurrent": 1_000,
+                   "when_redis_down": "local"},
 }
 
 
@@ -316,6 +325,13 @@ class TenancySettings(BaseModel):
     tiers: TierTable = Field(default_factory=lambda: TierTable.model_validate({}))
     #: how long a lookup of an unknown key, or an admin change, waits for the registry view to catch up
     catch_up_timeout_s: float = 2.0
+    #: an in-flight slot ends by itself this long after admission (a gateway that died frees its clients' slots)
+    lease_s: float = Field(default=900.0, gt=0)
+    #: a reservation no worker settled (a request lost with Redis) keeps its tokens counted this long at most
+    reservation_ttl_s: int = Field(default=3600, gt=0)
+    #: with Redis down, the part of each limit one gateway process admits on its own (1/N for N gateways keeps
+    #: the sum at the limit)
+    local_share: float = Field(default=1.0, gt=0, le=1)
 
 
 class StackSettings(BaseModel):
@@ -403,6 +419,12 @@ class Settings(BaseSettings):
             raise ValueError(f"gateway.stream_idle_timeout_s ({self.gateway.stream_idle_timeout_s}) must exceed "
                              f"two Kafka session timeouts ({self.kafka.session_timeout_ms} ms each): a dead "
                              "worker's streams pause that long before another worker takes them over")
+        longest_wait = max(p.queue_deadline_s or self.gateway.queue_deadline_s
+                           for p in self.tenancy.tiers.policies().values()) + self.gateway.first_token_grace_s
+        if self.tenancy.lease_s <= longest_wait:
+            raise ValueError(f"tenancy.lease_s ({self.tenancy.lease_s}) must exceed the longest a request may wait "
+                             f"for its first token ({longest_wait:.0f} s: queue deadline + grace): an in-flight slot "
+                             "would end while its request still runs")
         return self
 
 

@@ -18,7 +18,7 @@ import pytest
 import pytest_asyncio
 
 from ops.stack.provision import apply_schema, seed_prices
-from producers.tenancy.admin import KeyCreate, open_admin
+from producers.tenancy.admin import UNLIMITED, KeyCreate, Limits, open_admin
 from producers.tenancy.view import ApiKey
 from runtime.cassandra_client import connect
 from runtime.kafka_clients import ensure_topics, make_admin
@@ -110,12 +110,14 @@ def stack(settings: Settings) -> Iterator[Settings]:
 
 @pytest.fixture(scope="session")
 def make_caller(stack: Settings):  # type: ignore[no-untyped-def]
-    """Issues API keys through the key registry: ``make_caller(org, tier, **key_options)``."""
+    """Issues API keys through the key registry: ``make_caller(org, tier, **key_options)``. The org's limits are
+    out of reach unless a test passes its own (``limits=None``: its tier's)."""
 
-    def create(org: str = f"org-test-{SESSION}", tier: str = "plus", **options: object) -> Caller:
+    def create(org: str = f"org-test-{SESSION}", tier: str = "plus", limits: Limits | None = UNLIMITED,
+               **options: object) -> Caller:
         async def go() -> Caller:
             async with open_admin(stack) as admin:
-                issued = await admin.issue_key(org, tier, KeyCreate.model_validate(options))
+                issued = await admin.issue_key(org, tier, KeyCreate.model_validate(options), limits=limits)
                 return Caller(issued.secret, ApiKey(issued.record, admin.org(org)))
 
         # Sync and async tests both call this: run the coroutine on a thread with its own event loop.

@@ -27,7 +27,7 @@ import httpx
 from bench.servers import Proc
 from ops.stack.manager import StackManager
 from ops.stack.provision import apply_schema
-from producers.tenancy.admin import KeyCreate, open_admin
+from producers.tenancy.admin import UNLIMITED, KeyCreate, open_admin
 from runtime.kafka_clients import ensure_topics, make_admin
 from runtime.settings import REPO_ROOT, Settings
 from schemas.topics import TOPICS
@@ -173,7 +173,7 @@ class ChaosEnv:
 
     async def _api_key(self) -> str:
         async with open_admin(self.settings.model_copy(update={"kafka": self.kafka()})) as admin:
-            return (await admin.issue_key(self.org_id, "enterprise", KeyCreate(name="chaos"))).secret
+            return (await admin.issue_key(self.org_id, "enterprise", KeyCreate(name="chaos"), limits=UNLIMITED)).secret
 
     async def stop(self, *, delete_topics: bool = True) -> None:
         for proc in [*self.gateways, *self.workers, *reversed(self.others)]:

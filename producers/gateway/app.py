@@ -16,9 +16,11 @@ from fastapi import FastAPI
 
 from billing.ledger import Ledger
 from producers.gateway import errors
+from producers.gateway.admission import Admission
 from producers.gateway.deps import GatewayContext
 from producers.gateway.keys import KeySuspensions
 from producers.gateway.limits import BodySizeLimit
+from producers.gateway.local_limiter import LocalLimiter
 from producers.gateway.prompt import PromptBuilder
 from producers.gateway.publisher import EventPublisher
 from producers.gateway.routes import admin, chat, health, models, usage
@@ -30,6 +32,7 @@ from producers.tenancy.view import TenancyView
 from runtime.cassandra_client import connect_async
 from runtime.dead_letters import DeadLetters
 from runtime.kafka_clients import make_producer
+from runtime.limiter import RateLimiter
 from runtime.metrics import metrics_router
 from runtime.redis_client import make_redis
 from runtime.settings import Settings
@@ -74,8 +77,14 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # With the safety pre-filter on, requests go to it first; it forwards the admitted ones to the workers.
         request_topic = TOPICS.requests_submitted if settings.safety.prefilter else TOPICS.requests_admitted
         publisher = EventPublisher(producer, kafka, request_topic, TOPICS.control, settings.gateway.instance_id)
+        tenancy_settings = settings.tenancy
+        admission = Admission(
+            RateLimiter(redis, settings.redis, lease_s=tenancy_settings.lease_s,
+                        reservation_ttl_s=tenancy_settings.reservation_ttl_s),
+            LocalLimiter(share=tenancy_settings.local_share), tenancy_settings.tiers)
+        stack.push_async_callback(admission.drain)
         chat_service = ChatService(settings.gateway, prompts, publisher, relay, reply_partition, claim.gateway_id,
-                                   tiers=settings.tenancy.tiers.policies())
+                                   admission=admission, tiers=tenancy_settings.tiers.policies())
         stack.push_async_callback(chat_service.drain)
         app.state.ctx = GatewayContext(settings, tenancy, tenancy_admin, suspensions, ledger, prompts, claim, relay,
                                        chat_service)

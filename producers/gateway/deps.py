@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from billing.ledger import Ledger
+from producers.gateway.admission import LIMITER_DOWN
 from producers.gateway.errors import ApiError, unauthorized
 from producers.gateway.keys import KeySuspensions, hash_key
 from producers.gateway.prompt import PromptBuilder
@@ -69,7 +70,14 @@ async def authenticate(request: Request, ctx: Context) -> ApiKey:
     if key.key.admin:
         raise ApiError(403, "An admin key only works on the admin API (/v1/admin/...).", type="permission_error",
                        code="admin_key_not_allowed")
-    suspended = await ctx.suspensions.reason(key.key_id)
+    try:
+        suspended = await ctx.suspensions.reason(key.key_id)
+    except LIMITER_DOWN:
+        # Redis down: a tier served without it (``when_redis_down: local``) skips the suspension list meanwhile
+        # (the detector suspends again once Redis is back); the others get the 503 a backing service's outage gets.
+        if ctx.settings.tenancy.tiers.policy(key.tier).when_redis_down != "local":
+            raise
+        suspended = None
     if suspended is not None:
         raise ApiError(403, f"This API key is suspended ({suspended}). An operator can lift the suspension.",
                        type="permission_error", code="key_suspended")

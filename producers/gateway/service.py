@@ -14,6 +14,7 @@ timeout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -21,6 +22,7 @@ from collections.abc import AsyncIterator, Coroutine, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+from producers.gateway.admission import Admission, Ticket
 from producers.gateway.errors import ApiError, bad_request, model_not_allowed, model_not_found
 from producers.gateway.prompt import PromptBuilder, to_event_messages
 from producers.gateway.protocol import ChatCompletionRequest, usage_dict
@@ -58,9 +60,13 @@ class Accepted:
     created: int = field(default_factory=lambda: int(time.time()))
     #: the request's queue deadline (its tier's); the gateway waits for a first token until its grace after it
     queue_deadline_s: float | None = None
+    #: its admission (rate limits): the answer's x-ratelimit-* headers, its in-flight slots freed by ``_close``
+    ticket: Ticket | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
     finished: bool = False
+    #: prompt + completion tokens of the worker's final (what it billed)
+    used_tokens: int | None = None
 
     @property
     def request_id(self) -> str:
@@ -69,9 +75,10 @@ class Accepted:
 
 class ChatService:
     def __init__(self, gateway: GatewaySettings, prompts: PromptBuilder, publisher: EventPublisher,
-                 relay: Relay, reply_partition: int, gateway_id: str, *,
+                 relay: Relay, reply_partition: int, gateway_id: str, *, admission: Admission,
                  tiers: Mapping[str, TierPolicy] | None = None) -> None:
         self._settings = gateway
+        self._admission = admission
         self._tiers = dict(tiers or {})
         self._prompts = prompts
         self._publisher = publisher
@@ -114,6 +121,30 @@ class ChatService:
             user=body.user,
             client_addr=client_addr,
         )
+        # Reserves prompt + max_tokens against the key's and org's limits (429 past them) before anything is produced
+        ticket = await self._admit(request.request_id, len(prompt_ids) + sampling.max_tokens, key)
+        try:
+            collector = await self._submit(request, traceparent)
+        except BaseException:
+            self._spawn(self._admission.unsent(ticket, certain=False))
+            raise
+        return Accepted(request, collector, traceparent, body.include_usage, received_at,
+                        queue_deadline_s=self.queue_deadline_s(key.tier), ticket=ticket)
+
+    async def _admit(self, request_id: str, tokens: int, key: ApiKey) -> Ticket:
+        admitting = asyncio.ensure_future(self._admission.admit(request_id, tokens, key))
+        try:
+            return await asyncio.shield(admitting)
+        except asyncio.CancelledError:
+            # The client left while Redis was deciding: a slot it was given must not stay taken until its lease ends
+            self._spawn(self._give_back(admitting))
+            raise
+
+    async def _give_back(self, admitting: asyncio.Future[Ticket]) -> None:
+        with contextlib.suppress(Exception):
+            await self._admission.unsent(await admitting, certain=True)
+
+    async def _submit(self, request: ChatRequest, traceparent: str) -> StreamCollector:
         collector = self._relay.register(request.request_id)
         try:
             await self._publisher.submit(request, traceparent)
@@ -123,10 +154,10 @@ class ChatService:
             self._spawn(self._cancel(request.request_id, "not accepted", traceparent, 0))
             raise
         GATEWAY_IN_FLIGHT.inc()
-        log.info("request submitted", extra={"request_id": request.request_id, "prompt_tokens": len(prompt_ids),
-                                             "max_tokens": sampling.max_tokens, "stream": body.stream})
-        return Accepted(request, collector, traceparent, body.include_usage, received_at,
-                        queue_deadline_s=self.queue_deadline_s(key.tier))
+        log.info("request submitted", extra={"request_id": request.request_id,
+                                             "prompt_tokens": len(request.prompt_token_ids),
+                                             "max_tokens": request.sampling.max_tokens, "stream": request.stream})
+        return collector
 
     # --- 2. answer ------------------------------------------------------------------------------------
 
@@ -157,6 +188,8 @@ class ChatService:
             GATEWAY_TOKENS_OUT.inc(delta.token_count)
         if delta.from_worker:
             accepted.finished = True
+            if delta.usage is not None:
+                accepted.used_tokens = delta.usage.prompt_tokens + delta.usage.completion_tokens
         return delta
 
     async def stream(self, accepted: Accepted) -> AsyncIterator[bytes]:
@@ -218,6 +251,8 @@ class ChatService:
 
     def _close(self, accepted: Accepted, outcome: str, *, stream: bool) -> None:
         self._relay.unregister(accepted.request_id)
+        if accepted.ticket is not None:
+            self._spawn(self._admission.end(accepted.ticket, accepted.used_tokens))
         GATEWAY_IN_FLIGHT.dec()
         elapsed = time.perf_counter() - accepted.received_at
         GATEWAY_E2E.observe(elapsed)

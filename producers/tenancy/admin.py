@@ -38,7 +38,6 @@ from schemas.topics import TOPICS
 log = logging.getLogger(__name__)
 
 ORG_ID = re.compile(r"[a-z0-9][a-z0-9_-]{1,62}")
-LONG_MAX = 2**63 - 1
 INT_MAX = 2**31 - 1
 REGISTRY_TXN_ID = "tenancy-registry"
 MICROS = Decimal(1_000_000)
@@ -63,9 +62,13 @@ class _Input(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+#: the largest limit the rate limiter counts exactly (its Lua numbers are doubles)
+LIMIT_MAX = 2**53
+
+
 class Limits(_Input):
-    requests_per_minute: int | None = Field(default=None, ge=1, le=LONG_MAX)
-    tokens_per_minute: int | None = Field(default=None, ge=1, le=LONG_MAX)
+    requests_per_minute: int | None = Field(default=None, ge=1, le=LIMIT_MAX)
+    tokens_per_minute: int | None = Field(default=None, ge=1, le=LIMIT_MAX)
     max_concurrent: int | None = Field(default=None, ge=1, le=INT_MAX)
 
 
@@ -327,21 +330,25 @@ class TenancyAdmin:
 
     # --- for operators' tools and tests -----------------------------------------------------------------
 
-    async def ensure_org(self, org_id: str, tier: str) -> OrgRecord:
-        """The org, created on the given tier when it does not exist (an existing org keeps its own tier)."""
+    async def ensure_org(self, org_id: str, tier: str, limits: Limits | None = None) -> OrgRecord:
+        """The org, created on the given tier when it does not exist (an existing org keeps its own tier). With
+        ``limits``, the org has those overrides afterwards (a bench or test org that needs more than its tier's)."""
         await self.view.catch_up()
         existing = self.view.orgs.get(org_id)
-        if existing is not None:
-            return existing
-        try:
-            return await self.create_org(OrgCreate(org_id=org_id, tier=tier))
-        except TenancyError as exc:
-            if exc.code != "organization_exists":
-                raise
-            return self.org(org_id)
+        if existing is None:
+            try:
+                existing = await self.create_org(OrgCreate(org_id=org_id, tier=tier, limits=limits or Limits()))
+            except TenancyError as exc:
+                if exc.code != "organization_exists":
+                    raise
+                existing = self.org(org_id)
+        if limits is not None and existing.limits != _overrides(limits):
+            existing = await self.update_org(org_id, OrgUpdate(limits=limits))
+        return existing
 
-    async def issue_key(self, org_id: str, tier: str, spec: KeyCreate | None = None) -> IssuedKey:
-        await self.ensure_org(org_id, tier)
+    async def issue_key(self, org_id: str, tier: str, spec: KeyCreate | None = None, *,
+                        limits: Limits | None = None) -> IssuedKey:
+        await self.ensure_org(org_id, tier, limits)
         return await self.create_key(org_id, spec or KeyCreate())
 
     async def register_secret(self, org_id: str, tier: str, secret: str, *, key_id: str, name: str,
@@ -359,6 +366,8 @@ class TenancyAdmin:
 
 #: the org operators' admin keys belong to
 OPERATORS_ORG = "operators"
+#: limits no load a benchmark or a test sends reaches: for orgs that measure or test something else
+UNLIMITED = Limits(requests_per_minute=10**9, tokens_per_minute=10**12, max_concurrent=10**6)
 
 
 @asynccontextmanager

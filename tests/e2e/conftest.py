@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -9,12 +10,33 @@ from runtime.settings import Settings
 from schemas.codec import codec_for
 from schemas.events import TokenEvent, UsageEvent
 from schemas.topics import TOPICS
-from tests.helpers import read_topic
+from tests.conftest import GATEWAY_PORT, SESSION
+from tests.helpers import ServiceProcess, read_topic
 
 pytestmark = pytest.mark.e2e
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+#: the session's gateway, then two more (``three_gateways``)
+GATEWAY_PORTS = (GATEWAY_PORT, GATEWAY_PORT + 2, GATEWAY_PORT + 3)
+
+
+@pytest.fixture(scope="session")
+def three_gateways(gateway: ServiceProcess, service_env: dict[str, str]) -> Iterator[tuple[int, ...]]:
+    """Three gateway processes on one stack: the session's and two more."""
+    procs = [ServiceProcess(f"gateway-{port}", "gateway",
+                            {**service_env, "KNS_GATEWAY__PORT": str(port),
+                             "KNS_GATEWAY__INSTANCE_ID": f"test-gateway-{port}-{SESSION}"},
+                            f"http://127.0.0.1:{port}/health") for port in GATEWAY_PORTS[1:]]
+    for proc in procs:
+        proc.start()
+    try:
+        for proc in procs:
+            proc.wait_healthy(120)
+        yield GATEWAY_PORTS
+    finally:
+        for proc in procs:
+            proc.stop()
 
 
 async def token_records(settings: Settings, request_id: str) -> list[tuple[int, TokenEvent]]:

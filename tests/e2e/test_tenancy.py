@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -15,32 +14,11 @@ import httpx
 import pytest
 
 from producers.tenancy.admin import OPERATORS_ORG
-from tests.conftest import GATEWAY_PORT, SESSION, Caller
+from tests.conftest import GATEWAY_PORT, Caller
 from tests.e2e.conftest import MODEL, QUESTION
 from tests.helpers import ServiceProcess
 
 pytestmark = pytest.mark.e2e
-EXTRA_PORTS = (GATEWAY_PORT + 2, GATEWAY_PORT + 3)
-PORTS = (GATEWAY_PORT, *EXTRA_PORTS)
-
-
-@pytest.fixture(scope="module")
-def three_gateways(gateway: ServiceProcess, service_env: dict[str, str]) -> Iterator[tuple[int, ...]]:
-    procs = [ServiceProcess(f"gateway-{port}", "gateway",
-                            {**service_env, "KNS_GATEWAY__PORT": str(port),
-                             "KNS_GATEWAY__INSTANCE_ID": f"test-gateway-{port}-{SESSION}"},
-                            f"http://127.0.0.1:{port}/health") for port in EXTRA_PORTS]
-    for proc in procs:
-        proc.start()
-    try:
-        for proc in procs:
-            proc.wait_healthy(120)
-        yield PORTS
-    finally:
-        for proc in procs:
-            proc.stop()
-
-
 @pytest.fixture(scope="module")
 def admin_key(make_caller) -> str:  # type: ignore[no-untyped-def]
     caller: Caller = make_caller(org=OPERATORS_ORG, tier="enterprise", admin=True)

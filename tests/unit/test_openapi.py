@@ -45,7 +45,9 @@ def test_the_request_body_is_declared(operation: dict[str, Any]) -> None:
 
 def test_every_status_is_declared_with_the_openai_error_body(operation: dict[str, Any]) -> None:
     responses = operation["responses"]
-    assert set(responses) == {"200", "400", "401", "403", "404", "413", "500", "502", "503", "504"}
+    assert set(responses) == {"200", "400", "401", "403", "404", "413", "429", "500", "502", "503", "504"}
+    assert "x-ratelimit-remaining-tokens" in responses["200"]["headers"]
+    assert {"retry-after", "x-ratelimit-reset-requests"} <= set(responses["429"]["headers"])
     assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
     for status in set(responses) - {"200"}:
         assert responses[status]["content"]["application/json"]["schema"] == {

@@ -13,7 +13,7 @@ from fastapi.security import HTTPBearer
 from pydantic import ValidationError
 
 from producers.gateway.deps import Caller, Context
-from producers.gateway.errors import ErrorResponse, bad_request, error_responses, from_validation
+from producers.gateway.errors import ApiError, ErrorResponse, bad_request, error_responses, from_validation
 from producers.gateway.protocol import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -40,9 +40,23 @@ STREAM_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {
     {"type": "string", "contentMediaType": "application/json",
      "contentSchema": {"anyOf": [openapi_schema(ChatCompletionChunk), openapi_schema(ErrorResponse)]}},
 ]}}}
+#: OpenAI's rate-limit headers, on every answer of an admitted request and on its 429
+RATE_HEADERS = {name: {"description": text, "schema": {"type": "string"}} for name, text in (
+    ("x-ratelimit-limit-requests", "Requests per minute allowed (the tighter of the key's and its org's)."),
+    ("x-ratelimit-remaining-requests", "Requests left in the current minute."),
+    ("x-ratelimit-reset-requests", "When the requests limit is whole again, e.g. `1s`, `6m0s`."),
+    ("x-ratelimit-limit-tokens", "Tokens per minute allowed (prompt + max_tokens reserved per request)."),
+    ("x-ratelimit-remaining-tokens", "Tokens left in the current minute."),
+    ("x-ratelimit-reset-tokens", "When the tokens limit is whole again."),
+)}
+RETRY_HEADERS = {
+    "retry-after": {"description": "Seconds to wait before retrying.", "schema": {"type": "string"}},
+    "retry-after-ms": {"description": "The same, in milliseconds.", "schema": {"type": "string"}},
+}
 RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {"model": ChatCompletion, "description": "The completion: a `chat.completion` object, or with "
-          "`stream: true` server-sent `chat.completion.chunk` events ending with `data: [DONE]`.",
+    200: {"headers": RATE_HEADERS, "model": ChatCompletion,
+          "description": "The completion: a `chat.completion` object, or with `stream: true` server-sent "
+                         "`chat.completion.chunk` events ending with `data: [DONE]`.",
           "content": {"text/event-stream": {"schema": STREAM_EVENT}}},
     **error_responses({
         400: "Invalid request: a malformed body, an invalid or unsupported parameter, an unrecognized argument, "
@@ -51,6 +65,9 @@ RESPONSES: dict[int | str, dict[str, Any]] = {
         403: "The API key is suspended.",
         404: "The model does not exist.",
         413: "The request body is larger than the gateway accepts.",
+        429: "A rate limit of the key or its organization was reached (`rate_limit_exceeded`: requests or tokens per "
+             "minute, or requests in flight); `Retry-After` says when to retry, unless the request alone exceeds "
+             "the limit.",
         500: "An unexpected error in the gateway.",
         502: "The generation failed behind the gateway.",
         503: "A backing service is unavailable, the gateway is stopping, or the request waited past its queue "
@@ -58,6 +75,7 @@ RESPONSES: dict[int | str, dict[str, Any]] = {
         504: "No token arrived in time; the generation was cancelled.",
     }),
 }
+RESPONSES[429]["headers"] = {**RATE_HEADERS, **RETRY_HEADERS}
 
 
 def parse_body(raw: bytes) -> ChatCompletionRequest:
@@ -86,7 +104,8 @@ async def chat_completions(request: Request, ctx: Context, key: Caller) -> Respo
     accepted = await ctx.chat.accept(
         body, key, client_addr=request.client.host if request.client else None, traceparent=traceparent
     )
-    headers = {"x-request-id": accepted.request_id, "traceparent": traceparent}
+    headers = {"x-request-id": accepted.request_id, "traceparent": traceparent,
+               **(accepted.ticket.headers() if accepted.ticket else {})}
     if body.stream:
         return StreamingResponse(ctx.chat.stream(accepted), media_type="text/event-stream",
                                  headers={**headers, "cache-control": "no-cache"})
@@ -99,5 +118,9 @@ async def chat_completions(request: Request, ctx: Context, key: Caller) -> Respo
         await asyncio.gather(answer, return_exceptions=True)
         return Response(status_code=499)
     gone.cancel()
-    result: dict[str, Any] = answer.result()
+    try:
+        result: dict[str, Any] = answer.result()
+    except ApiError as exc:  # an admitted request's error answer carries its rate-limit headers too
+        exc.headers = {**headers, **(exc.headers or {})}
+        raise
     return JSONResponse(result, headers=headers)

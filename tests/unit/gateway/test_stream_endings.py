@@ -14,6 +14,7 @@ from producers.gateway.service import Accepted, ChatService
 from producers.relay.collector import StreamCollector
 from runtime.settings import GatewaySettings
 from schemas.events import TokenEvent, TokenUsage
+from tests.fakes.tenancy import local_admission
 from tests.fakes.worker import request
 
 
@@ -34,7 +35,7 @@ class Relay:
 def service(**settings: float) -> tuple[ChatService, Publisher]:
     publisher = Publisher()
     gateway = GatewaySettings(instance_id="gw", **settings)  # type: ignore[arg-type]
-    return ChatService(gateway, None, publisher, Relay(), 0, "gw/1"), publisher  # type: ignore[arg-type]
+    return ChatService(gateway, None, publisher, Relay(), 0, "gw/1", admission=local_admission()), publisher  # type: ignore[arg-type]
 
 
 def accepted() -> Accepted:

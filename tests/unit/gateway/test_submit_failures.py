@@ -12,7 +12,7 @@ from producers.gateway.protocol import ChatCompletionRequest
 from producers.gateway.service import ChatService
 from runtime.settings import GatewaySettings, TenancySettings
 from schemas.events import ChatRequest, SamplingSpec
-from tests.fakes.tenancy import api_key
+from tests.fakes.tenancy import api_key, local_admission
 
 
 class Relay:
@@ -57,7 +57,7 @@ async def test_a_request_whose_produce_timed_out_is_cancelled_before_the_client_
                               sampling=lambda body, n: SamplingSpec(max_tokens=8))
     publisher = TimedOutPublisher()
     chat = ChatService(GatewaySettings(instance_id="gw"), prompts, publisher, Relay(), 0,  # type: ignore[arg-type]
-                       "gw/1")
+                       "gw/1", admission=local_admission())
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
     with pytest.raises(ApiError) as raised:
         await chat.accept(body, api_key(), client_addr=None, traceparent="00-0-0-01")
@@ -80,7 +80,7 @@ async def test_each_tier_gets_its_own_queue_deadline_and_the_gateway_waits_for_e
     tiers = TenancySettings().tiers.policies()
     tiers["free"] = tiers["free"].model_copy(update={"queue_deadline_s": 5.0})
     chat = ChatService(GatewaySettings(instance_id="gw", queue_deadline_s=60.0, first_token_grace_s=7.0), prompts,
-                       RecordingPublisher(), Relay(), 0, "gw/1", tiers=tiers)  # type: ignore[arg-type]
+                       RecordingPublisher(), Relay(), 0, "gw/1", tiers=tiers, admission=local_admission())  # type: ignore[arg-type]
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
     free = await chat.accept(body, api_key(tier="free"), client_addr=None, traceparent="00-0-0-01")
     plus = await chat.accept(body, api_key(tier="plus"), client_addr=None, traceparent="00-0-0-01")

@@ -330,3 +330,63 @@ async def test_a_fencing_seen_as_illegal_operation_loses_the_partition_and_keeps
     assert not loop.done(), "the commit loop died"
     await finalizer.stop()
     await loop
+
+
+class RecordingSettlements:
+    def __init__(self) -> None:
+        self.settled: list[tuple[str, int]] = []
+
+    async def settle_many(self, used: list[tuple[str, int]]) -> int:
+        self.settled += used
+        return len(used)
+
+
+def _finished(max_tokens: int, *, billed: bool) -> Finished:
+    req = request(max_tokens=max_tokens)
+    usage = TokenUsage(prompt_tokens=4 if billed else 0, completion_tokens=max_tokens if billed else 0)
+    final = TokenEvent(request_id=req.request_id, attempt=1, seq=0, token_offset=0, token_ids=[7], text=" t",
+                       finish_reason="length" if billed else "cancelled", worker_id="w1", emitted_at_us=1,
+                       usage=usage)
+    record = UsageEvent(request_id=req.request_id, org_id="org", key_id="key", tier="plus", model="m",
+                        prompt_tokens=4, completion_tokens=max_tokens, cached_tokens=0, finish_reason="length",
+                        attempt=1, worker_id="w1", requested_at=req.created_at, started_at=utcnow(),
+                        finished_at=utcnow()) if billed else None
+    return Finished(final, record, 3, P0, 0, None, None)
+
+
+async def test_the_rate_limiter_is_settled_with_what_was_billed_once_the_commit_is_done() -> None:
+    """Issue 9: a reservation (prompt + max_tokens) is settled with the usage the worker committed, and an unbilled
+    outcome gives it all back; settled after the commit, so the counters add up to the ledger."""
+    settlements = RecordingSettlements()
+    offsets = OffsetTracker()
+    offsets.restore(P0, CommittedState(0, 0, frozenset()))
+    offsets.taken(P0, 0)
+    offsets.taken(P0, 1)
+    finalizer = Finalizer(OneProducer(FakeTxnProducer([])), token_topic="tokens",  # type: ignore[arg-type]
+                          usage_topic="usage", group_id="g", offsets=offsets, claims=FakeClaims(), batch_max=8,
+                          give_up_s=5, settlements=settlements)
+    loop = asyncio.create_task(finalizer.run())
+    billed, unbilled = _finished(5, billed=True), _finished(3, billed=False)
+    unbilled.offset = 1
+    await asyncio.gather(finalizer.finish(billed), finalizer.finish(unbilled))
+    await finalizer.stop()
+    await loop
+    assert sorted(settlements.settled) == sorted([(billed.final.request_id, 9), (unbilled.final.request_id, 0)])
+
+
+async def test_a_fenced_commit_settles_nothing() -> None:
+    """A zombie whose transaction is fenced must not settle: the request's next owner commits and settles it."""
+    settlements = RecordingSettlements()
+    offsets = OffsetTracker()
+    offsets.restore(P0, CommittedState(0, 0, frozenset()))
+    offsets.taken(P0, 0)
+    finalizer = Finalizer(OneProducer(FencedBetweenSends([])), token_topic="tokens",  # type: ignore[arg-type]
+                          usage_topic="usage", group_id="g", offsets=offsets, claims=FakeClaims(), batch_max=8,
+                          give_up_s=5, settlements=settlements)
+    loop = asyncio.create_task(finalizer.run())
+    with contextlib.suppress(PartitionLost):
+        await finalizer.finish(_finished(2, billed=True))
+    await pump()
+    await finalizer.stop()
+    await loop
+    assert settlements.settled == []

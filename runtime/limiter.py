@@ -9,52 +9,67 @@ Redis's clock, not each gateway's. In-flight requests are a sorted set of leases
 a gateway that dies with requests in flight frees their slots when the leases end.
 
 A request reserves its prompt tokens + max_tokens at admission; ``settle`` gives back what it did not use, once:
-the reservation hash is deleted in the same script, so a second settlement of the same request is a no-op.
+the reservation hash is deleted in the same script, so a second settlement of the same request is a no-op. The
+worker that commits a request's final settles it with the usage it billed (0 when nothing was billed), after the
+commit: a fenced zombie never settles, a takeover's commit does, and the settled counters add up to the ledger.
+The gateway frees the in-flight slots as soon as its client's answer ends (``release``); a request that never
+reached Kafka is settled by the gateway with 0.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 from redis.asyncio import Redis
 
 from runtime.redis_client import key as redis_key
 from runtime.settings import RedisSettings
 
-# KEYS: 1-3 the key's requests bucket, tokens bucket, in-flight set; 4-6 the org's; 7 the reservation.
+# KEYS: 1-3 the key's requests bucket, tokens bucket, in-flight set; 4-6 the org's; 7 the reservation;
+#       8-9 the key's and the org's settled-token counters (kept in the reservation for whoever settles it).
 # ARGV: 1 request id, 2 tokens, 3 lease ms, 4-6 the key's rpm, tpm, max in flight, 7-9 the org's, 10 reservation ttl s
 # Returns {1, requests remaining, requests reset ms, tokens remaining, tokens reset ms} or
-#         {0, limit ('requests'|'tokens'|'concurrent'), scope ('key'|'org'), retry after ms (-1: never), limit}.
+#         {0, requests remaining, requests reset ms, tokens remaining, tokens reset ms,
+#          limit ('requests'|'tokens'|'concurrent'), scope ('key'|'org'), retry after ms (-1: never), limit value}.
 _ADMIT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local rid, cost, lease = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local function level(k, cap)
-  local v = redis.call('HMGET', k, 'v', 't')
-  if not v[1] then return cap end
-  return math.min(cap, tonumber(v[1]) + (now - tonumber(v[2])) * cap / 60000)
-end
 local buckets = {
   {KEYS[1], tonumber(ARGV[4]), 1, 'requests', 'key'}, {KEYS[2], tonumber(ARGV[5]), cost, 'tokens', 'key'},
   {KEYS[4], tonumber(ARGV[7]), 1, 'requests', 'org'}, {KEYS[5], tonumber(ARGV[8]), cost, 'tokens', 'org'},
 }
 local levels = {}
 for i, b in ipairs(buckets) do
-  levels[i] = level(b[1], b[2])
+  local v = redis.call('HMGET', b[1], 'v', 't')
+  if v[1] then levels[i] = math.min(b[2], tonumber(v[1]) + (now - tonumber(v[2])) * b[2] / 60000)
+  else levels[i] = b[2] end
+end
+-- the headers describe the tighter of key and org (OpenAI's describe one limit per kind)
+local function tight(a, b) if levels[a] / buckets[a][2] <= levels[b] / buckets[b][2] then return a end return b end
+local r, k = tight(1, 3), tight(2, 4)
+local function reset(i, debit)
+  return math.max(0, math.ceil((buckets[i][2] - (levels[i] - debit)) * 60000 / buckets[i][2]))
+end
+local function refuse(limit, scope, wait, value)
+  return {0, math.floor(levels[r]), reset(r, 0), math.floor(levels[k]), reset(k, 0), limit, scope, wait, value}
+end
+for i, b in ipairs(buckets) do
   if levels[i] < b[3] then
     local wait = -1
     if b[3] <= b[2] then wait = math.ceil((b[3] - levels[i]) * 60000 / b[2]) end
-    return {0, b[4], b[5], wait, b[2]}
+    return refuse(b[4], b[5], wait, b[2])
   end
 end
 local flights = {{KEYS[3], tonumber(ARGV[6]), 'key'}, {KEYS[6], tonumber(ARGV[9]), 'org'}}
 for _, f in ipairs(flights) do
   redis.call('ZREMRANGEBYSCORE', f[1], '-inf', now)
-  if redis.call('ZCARD', f[1]) >= f[2] then return {0, 'concurrent', f[3], 1000, f[2]} end
+  if redis.call('ZCARD', f[1]) >= f[2] then return refuse('concurrent', f[3], 1000, f[2]) end
 end
 for i, b in ipairs(buckets) do
-  redis.call('HSET', b[1], 'v', tostring(levels[i] - b[3]), 't', now)
+  redis.call('HSET', b[1], 'v', string.format('%.17g', levels[i] - b[3]), 't', now)
   redis.call('PEXPIRE', b[1], 120000)
 end
 for _, f in ipairs(flights) do
@@ -62,15 +77,12 @@ for _, f in ipairs(flights) do
   redis.call('PEXPIRE', f[1], lease + 60000)
 end
 redis.call('HSET', KEYS[7], 'tokens', cost, 'tk', KEYS[2], 'to', KEYS[5], 'capk', ARGV[5], 'capo', ARGV[8],
-           'fk', KEYS[3], 'fo', KEYS[6])
+           'fk', KEYS[3], 'fo', KEYS[6], 'sk', KEYS[8], 'so', KEYS[9])
 redis.call('EXPIRE', KEYS[7], ARGV[10])
-local function tight(a, b) if levels[a] / buckets[a][2] <= levels[b] / buckets[b][2] then return a end return b end
-local r, k = tight(1, 3), tight(2, 4)
-local function reset(i) return math.ceil((buckets[i][2] - (levels[i] - buckets[i][3])) * 60000 / buckets[i][2]) end
-return {1, math.floor(levels[r] - 1), reset(r), math.floor(levels[k] - cost), reset(k)}
+return {1, math.floor(levels[r] - 1), reset(r, 1), math.floor(levels[k] - cost), reset(k, cost)}
 """
 
-# KEYS: 1 the reservation, 2 the key's settled-token counter, 3 the org's. ARGV: 1 request id, 2 tokens used.
+# KEYS: 1 the reservation. ARGV: 1 request id, 2 tokens used.
 # Returns 1 when this call settled the reservation, 0 when there was none (settled already, or expired).
 _SETTLE = """
 local r = redis.call('HGETALL', KEYS[1])
@@ -84,13 +96,13 @@ for _, pair in ipairs({{h['tk'], tonumber(h['capk'])}, {h['to'], tonumber(h['cap
   local v = redis.call('HMGET', pair[1], 'v', 't')
   if v[1] then
     local level = math.min(pair[2], tonumber(v[1]) + (now - tonumber(v[2])) * pair[2] / 60000)
-    redis.call('HSET', pair[1], 'v', tostring(math.min(pair[2], level + back)), 't', now)
+    redis.call('HSET', pair[1], 'v', string.format('%.17g', math.min(pair[2], level + back)), 't', now)
   end
 end
 redis.call('ZREM', h['fk'], ARGV[1])
 redis.call('ZREM', h['fo'], ARGV[1])
-redis.call('INCRBY', KEYS[2], ARGV[2])
-redis.call('INCRBY', KEYS[3], ARGV[2])
+redis.call('INCRBY', h['sk'], ARGV[2])
+redis.call('INCRBY', h['so'], ARGV[2])
 redis.call('DEL', KEYS[1])
 return 1
 """
@@ -104,7 +116,9 @@ class Limits:
 
 
 @dataclass(frozen=True)
-class Admitted:
+class Window:
+    """Where the tighter of the key's and the org's buckets stand: what OpenAI's rate-limit headers say."""
+
     requests_limit: int
     requests_remaining: int
     requests_reset_ms: int
@@ -113,7 +127,6 @@ class Admitted:
     tokens_reset_ms: int
 
     def headers(self) -> dict[str, str]:
-        """OpenAI's rate-limit headers."""
         return {
             "x-ratelimit-limit-requests": str(self.requests_limit),
             "x-ratelimit-remaining-requests": str(max(self.requests_remaining, 0)),
@@ -125,11 +138,41 @@ class Admitted:
 
 
 @dataclass(frozen=True)
+class Admitted:
+    window: Window
+
+    def headers(self) -> dict[str, str]:
+        return self.window.headers()
+
+
+@dataclass(frozen=True)
 class Refused:
     limit: str  # requests | tokens | concurrent
     scope: str  # key | org
     retry_after_ms: int  # -1: never (the request alone exceeds the limit)
     value: int
+    window: Window
+
+    def headers(self) -> dict[str, str]:
+        return self.window.headers()
+
+
+Decision = Admitted | Refused
+
+
+class Limiter(Protocol):
+    """Admission against a key's and its org's limits, and the end of what was admitted."""
+
+    async def admit(self, request_id: str, tokens: int, *, key_id: str, org_id: str, key_limits: Limits,
+                    org_limits: Limits) -> Decision: ...
+
+    async def release(self, request_id: str, *, key_id: str, org_id: str) -> None:
+        """The request is over for its client: its in-flight slots are free (its tokens are settled later)."""
+        ...
+
+    async def settle(self, request_id: str, used_tokens: int) -> bool:
+        """Give back what the request reserved and did not use; once (later calls return False)."""
+        ...
 
 
 def duration(ms: int) -> str:
@@ -142,7 +185,10 @@ def duration(ms: int) -> str:
 
 
 class RateLimiter:
-    def __init__(self, redis: Redis, settings: RedisSettings, *, lease_s: float, reservation_ttl_s: int) -> None:
+    """The limiter every gateway shares (Redis); workers settle with it what they finalized."""
+
+    def __init__(self, redis: Redis, settings: RedisSettings, *, lease_s: float = 900.0,
+                 reservation_ttl_s: int = 3600) -> None:
         self._redis = redis
         self._settings = settings
         self._lease_ms = int(lease_s * 1000)
@@ -161,21 +207,40 @@ class RateLimiter:
         return redis_key(self._settings, "rl", scope, ident, "settled")
 
     async def admit(self, request_id: str, tokens: int, *, key_id: str, org_id: str, key_limits: Limits,
-                    org_limits: Limits) -> Admitted | Refused:
-        keys = [*self._keys("key", key_id), *self._keys("org", org_id), self._reservation(request_id)]
+                    org_limits: Limits) -> Decision:
+        keys = [*self._keys("key", key_id), *self._keys("org", org_id), self._reservation(request_id),
+                self.settled_key("key", key_id), self.settled_key("org", org_id)]
         args: list[str | int] = [request_id, tokens, self._lease_ms,
                                  key_limits.requests_per_minute, key_limits.tokens_per_minute,
                                  key_limits.max_concurrent, org_limits.requests_per_minute,
                                  org_limits.tokens_per_minute, org_limits.max_concurrent, self._ttl]
-        answer = [int(x) if str(x).lstrip("-").isdigit() else str(x) for x in await self._admit(keys=keys, args=args)]
-        if answer[0] == 0:
-            return Refused(str(answer[1]), str(answer[2]), int(answer[3]), int(answer[4]))
-        return Admitted(min(key_limits.requests_per_minute, org_limits.requests_per_minute), int(answer[1]),
+        answer = await self._admit(keys=keys, args=args)
+        window = Window(min(key_limits.requests_per_minute, org_limits.requests_per_minute), int(answer[1]),
                         int(answer[2]), min(key_limits.tokens_per_minute, org_limits.tokens_per_minute),
                         int(answer[3]), int(answer[4]))
+        if int(answer[0]) == 0:
+            return Refused(_text(answer[5]), _text(answer[6]), int(answer[7]), int(answer[8]), window)
+        return Admitted(window)
 
-    async def settle(self, request_id: str, used_tokens: int, *, key_id: str, org_id: str) -> bool:
-        """Give back what the request reserved and did not use; once (later calls return False)."""
-        done = await self._settle(keys=[self._reservation(request_id), self.settled_key("key", key_id),
-                                        self.settled_key("org", org_id)], args=[request_id, used_tokens])
-        return bool(int(done))
+    async def release(self, request_id: str, *, key_id: str, org_id: str) -> None:
+        flights = [self._keys(scope, ident)[2] for scope, ident in (("key", key_id), ("org", org_id))]
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for flight in flights:
+                pipe.zrem(flight, request_id)
+            await pipe.execute()
+
+    async def settle(self, request_id: str, used_tokens: int) -> bool:
+        return bool(int(await self._settle(keys=[self._reservation(request_id)], args=[request_id, used_tokens])))
+
+    async def settle_many(self, used: list[tuple[str, int]]) -> int:
+        """Settle several requests in one round trip; how many this call settled."""
+        if not used:
+            return 0
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for request_id, tokens in used:
+                await self._settle(keys=[self._reservation(request_id)], args=[request_id, tokens], client=pipe)
+            return sum(int(x) for x in await pipe.execute())
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,164 @@
+"""Admission: a caller's request against its key's and its org's limits, before anything is produced.
+
+The limits are the org's tier's (``tenancy.tiers``), each overridden by the org's own where it has one, and apply
+alike to the key and to the org (the org's cap every key shares). The shared limiter (Redis) decides; while it is
+unreachable the tier's ``when_redis_down`` policy does: ``closed`` answers 503, ``local`` admits against this
+process's own limiter (``local_limiter.py``). A refusal is 429 ``rate_limit_exceeded`` in OpenAI's words, with
+``Retry-After`` (and ``retry-after-ms``, which the openai SDK prefers) and the ``x-ratelimit-*`` headers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
+
+from redis.exceptions import RedisError
+
+from producers.gateway.errors import ApiError, unavailable
+from producers.gateway.local_limiter import LocalLimiter
+from producers.tenancy.view import ApiKey
+from runtime.limiter import Admitted, Limiter, Limits, Refused, Window
+from runtime.metrics import LIMITER_DECISIONS, LIMITER_REDIS_DOWN, LIMITER_SECONDS
+from runtime.settings import TierTable
+from schemas.events import OrgRecord
+
+log = logging.getLogger(__name__)
+
+#: the shared limiter cannot answer: Redis down, restarting, or too slow
+LIMITER_DOWN = (RedisError, OSError)
+
+_WHAT = {"requests": "requests per min (RPM)", "tokens": "tokens per min (TPM)",
+         "concurrent": "requests in flight"}
+
+
+def limits_for(org: OrgRecord, tiers: TierTable) -> Limits:
+    policy, own = tiers.policy(org.tier), org.limits
+    return Limits(
+        requests_per_minute=own.requests_per_minute or policy.requests_per_minute,
+        tokens_per_minute=own.tokens_per_minute or policy.tokens_per_minute,
+        max_concurrent=own.max_concurrent or policy.max_concurrent,
+    )
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """An admitted request: which limiter holds its slots and reservation, and the headers its answer carries."""
+
+    request_id: str
+    key_id: str
+    org_id: str
+    #: reserved at admission: prompt + max_tokens
+    tokens: int
+    limiter: Limiter
+    window: Window
+    #: admitted by this process alone (Redis was down): the gateway settles it when the answer ends
+    local: bool
+
+    def headers(self) -> dict[str, str]:
+        return self.window.headers()
+
+
+class Admission:
+    def __init__(self, shared: Limiter, local: LocalLimiter, tiers: TierTable) -> None:
+        self._shared = shared
+        self._local = local
+        self._tiers = tiers
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def admit(self, request_id: str, tokens: int, key: ApiKey) -> Ticket:
+        limits = limits_for(key.org, self._tiers)
+        started = time.perf_counter()
+        limiter, local = self._shared, False
+        try:
+            decision = await self._shared.admit(request_id, tokens, key_id=key.key_id, org_id=key.org_id,
+                                                key_limits=limits, org_limits=limits)
+        except LIMITER_DOWN as exc:
+            policy = self._tiers.policy(key.tier).when_redis_down
+            LIMITER_REDIS_DOWN.labels(policy=policy).inc()
+            log.warning("rate limiter unreachable", extra={"request_id": request_id, "policy": policy,
+                                                           "error": repr(exc)})
+            decision = None
+            if policy == "local":
+                limiter, local = self._local, True
+                decision = await self._local.admit(request_id, tokens, key_id=key.key_id, org_id=key.org_id,
+                                                   key_limits=limits, org_limits=limits)
+            # A timeout does not say the script did not run: whatever it took in Redis is given back once Redis
+            # answers (its slots at once; its tokens too, unless the request goes on to a worker that settles it).
+            self._spawn(self._undo_shared(request_id, key, produced=isinstance(decision, Admitted)))
+            if decision is None:
+                raise unavailable(f"The rate limiter is unavailable, and the {key.tier} tier is not served "
+                                  "without it; retry shortly.") from exc
+        assert decision is not None  # a closed tier raised above
+        kind = "local" if local else "shared"
+        LIMITER_SECONDS.labels(limiter=kind).observe(time.perf_counter() - started)
+        if isinstance(decision, Refused):
+            LIMITER_DECISIONS.labels(outcome=decision.limit, limiter=kind).inc()
+            raise rate_limited(decision, tokens, key)
+        LIMITER_DECISIONS.labels(outcome="admitted", limiter=kind).inc()
+        return Ticket(request_id, key.key_id, key.org_id, tokens, limiter, decision.window, local)
+
+    async def end(self, ticket: Ticket, used_tokens: int | None = None) -> None:
+        """The client's answer is over: its in-flight slots are free. The worker that finalized the request settles
+        its tokens; the gateway settles only what this process alone admitted (with the usage when it knows it,
+        else the whole reservation: counted, never refunded)."""
+        if ticket.local:
+            await self._end(ticket, ticket.tokens if used_tokens is None else used_tokens)
+        else:
+            await self._end(ticket, None)
+
+    async def unsent(self, ticket: Ticket, *, certain: bool) -> None:
+        """The request did not reach Kafka: its slots are free. ``certain``: it never will (nothing produced), so
+        its tokens come back too; else (a produce that timed out may still land) a worker may yet bill it, and
+        settles it then."""
+        await self._end(ticket, 0 if certain or ticket.local else None)
+
+    async def _end(self, ticket: Ticket, settle: int | None) -> None:
+        try:
+            await ticket.limiter.release(ticket.request_id, key_id=ticket.key_id, org_id=ticket.org_id)
+            if settle is not None:
+                await ticket.limiter.settle(ticket.request_id, settle)
+        except LIMITER_DOWN:
+            # The slots end with their lease, the reservation with its TTL.
+            log.warning("could not end a rate-limit admission", extra={"request_id": ticket.request_id})
+
+    async def _undo_shared(self, request_id: str, key: ApiKey, *, produced: bool, attempts: int = 30) -> None:
+        delay = 0.5
+        for _ in range(attempts):
+            try:
+                await self._shared.release(request_id, key_id=key.key_id, org_id=key.org_id)
+                if not produced:
+                    await self._shared.settle(request_id, 0)
+                return
+            except LIMITER_DOWN:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30.0)
+
+    def _spawn(self, coro: Coroutine[object, object, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def rate_limited(refused: Refused, tokens: int, key: ApiKey) -> ApiError:
+    what = _WHAT[refused.limit]
+    where = f"organization {key.org_id}" if refused.scope == "org" else f"API key {key.key_id}"
+    headers = refused.headers()
+    if refused.retry_after_ms < 0:
+        message = (f"Request too large for {where} on {what}: Limit {refused.value}, Requested {tokens}. "
+                   "Reduce the prompt or max_tokens (a request reserves its prompt tokens + max_tokens).")
+    else:
+        wait_s = refused.retry_after_ms / 1000
+        headers |= {"retry-after": str(max(1, math.ceil(wait_s))), "retry-after-ms": str(refused.retry_after_ms)}
+        message = (f"Rate limit reached for {where} on {what}: Limit {refused.value}. "
+                   f"Please try again in {wait_s:.3g}s.")
+    kind = "tokens" if refused.limit == "tokens" else "requests"
+    return ApiError(429, message, type=kind, code="rate_limit_exceeded", headers=headers)
