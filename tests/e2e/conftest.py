@@ -17,13 +17,14 @@ pytestmark = pytest.mark.e2e
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-#: the session's gateway, then two more (``three_gateways``)
-GATEWAY_PORTS = (GATEWAY_PORT, GATEWAY_PORT + 2, GATEWAY_PORT + 3)
+#: the session's gateway, then two more (``three_gateways``; +1 and +2 are other tests' own gateways)
+GATEWAY_PORTS = (GATEWAY_PORT, GATEWAY_PORT + 4, GATEWAY_PORT + 5)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def three_gateways(gateway: ServiceProcess, service_env: dict[str, str]) -> Iterator[tuple[int, ...]]:
-    """Three gateway processes on one stack: the session's and two more."""
+    """Three gateway processes on one stack: the session's and two more, for the module that asks (stopped after
+    it, so that nothing else runs beside them)."""
     procs = [ServiceProcess(f"gateway-{port}", "gateway",
                             {**service_env, "KNS_GATEWAY__PORT": str(port),
                              "KNS_GATEWAY__INSTANCE_ID": f"test-gateway-{port}-{SESSION}"},

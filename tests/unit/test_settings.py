@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
-from runtime.settings import EngineSettings, KafkaSettings, load_settings
+from runtime.settings import EngineSettings, KafkaSettings, Settings, load_settings
 
 
 def test_nested_environment_variables(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -49,3 +50,8 @@ def test_one_setting_of_one_tier_changes_only_that(monkeypatch: pytest.MonkeyPat
     assert (tiers.free.queue_deadline_s, tiers.free.requests_per_minute) == (5.0, 30)
     assert (tiers.enterprise.requests_per_minute, tiers.enterprise.tokens_per_minute) == (9000, 5_000_000)
     assert tiers.policy("no-such-tier") == tiers.free
+
+
+def test_an_in_flight_lease_shorter_than_the_longest_wait_is_refused_at_start() -> None:
+    with pytest.raises(ValidationError, match=r"tenancy\.lease_s"):
+        Settings(tenancy={"lease_s": 60.0})  # type: ignore[arg-type]
