@@ -17,6 +17,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from producers.gateway.errors import ApiError, unavailable
 from producers.gateway.local_limiter import LocalLimiter
@@ -86,9 +87,11 @@ class Admission:
                 limiter, local = self._local, True
                 decision = await self._local.admit(request_id, tokens, key_id=key.key_id, org_id=key.org_id,
                                                    key_limits=limits, org_limits=limits)
-            # A timeout does not say the script did not run: whatever it took in Redis is given back once Redis
-            # answers (its slots at once; its tokens too, unless the request goes on to a worker that settles it).
-            self._spawn(self._undo_shared(request_id, key, produced=isinstance(decision, Admitted)))
+            if isinstance(exc, RedisTimeoutError):
+                # A timeout does not say the script did not run: what it took in Redis is given back once Redis
+                # answers (its slots; its tokens too, unless the request goes on to a worker that settles it). A
+                # refused connection needs nothing undone: the common case of an outage spawns nothing.
+                self._spawn(self._undo_shared(request_id, key, produced=isinstance(decision, Admitted)))
             if decision is None:
                 raise unavailable(f"The rate limiter is unavailable, and the {key.tier} tier is not served "
                                   "without it; retry shortly.") from exc

@@ -35,7 +35,8 @@ class GatewayContext:
     chat: ChatService
 
 
-def context(request: Request) -> GatewayContext:
+async def context(request: Request) -> GatewayContext:
+    # async: FastAPI runs a plain ``def`` dependency in its thread pool, a thread hop on every request
     ctx: GatewayContext = request.app.state.ctx
     return ctx
 
