@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,20 +16,13 @@ from producers.gateway.protocol import ChatCompletionRequest
 from producers.gateway.service import ChatService
 from runtime.limiter import Admitted, Decision, Limits, RateLimiter, Refused
 from runtime.redis_client import make_redis
-from runtime.settings import GatewaySettings, RedisSettings, TierTable
-from schemas.events import LimitOverrides, SamplingSpec
+from runtime.settings import RedisSettings, TierTable
+from schemas.events import LimitOverrides
+from tests.fakes.gateway import Clock, chat_service
 from tests.fakes.tenancy import api_key
 from tests.unit.gateway.test_submit_failures import Relay, TimedOutPublisher
 
 TIERS = TierTable.model_validate({})
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def wide(**given: int) -> Limits:
@@ -132,10 +124,7 @@ async def test_a_429_says_which_limit_and_when_to_retry_in_openais_words() -> No
 
 async def test_a_request_whose_produce_failed_frees_its_slot_and_leaves_its_tokens_to_the_worker() -> None:
     shared = LocalLimiter()
-    prompts = SimpleNamespace(card=SimpleNamespace(served_name="m"), render=lambda messages: [1, 2, 3],
-                              sampling=lambda body, n: SamplingSpec(max_tokens=8))
-    chat = ChatService(GatewaySettings(instance_id="gw"), prompts, TimedOutPublisher(), Relay(), 0,  # type: ignore[arg-type]
-                       "gw/1", admission=Admission(shared, LocalLimiter(), TIERS))
+    chat = chat_service(TimedOutPublisher(), Relay(), admission=Admission(shared, LocalLimiter(), TIERS))
     key = api_key(tier="free")
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
     with pytest.raises(ApiError):
@@ -167,10 +156,7 @@ class SlowLimiter(LocalLimiter):
 
 async def test_a_client_gone_while_its_admission_is_decided_leaves_no_slot_taken() -> None:
     shared = SlowLimiter()
-    prompts = SimpleNamespace(card=SimpleNamespace(served_name="m"), render=lambda messages: [1, 2, 3],
-                              sampling=lambda body, n: SamplingSpec(max_tokens=8))
-    chat = ChatService(GatewaySettings(instance_id="gw"), prompts, TimedOutPublisher(), Relay(), 0,  # type: ignore[arg-type]
-                       "gw/1", admission=Admission(shared, LocalLimiter(), TIERS))
+    chat = chat_service(TimedOutPublisher(), Relay(), admission=Admission(shared, LocalLimiter(), TIERS))
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
     accepting = asyncio.create_task(chat.accept(body, api_key(tier="free"), client_addr=None,
                                                 traceparent="00-0-0-01"))

@@ -22,25 +22,15 @@ from producers.gateway.errors import ApiError
 from producers.gateway.local_limiter import LocalLimiter
 from producers.gateway.protocol import ChatCompletionRequest
 from producers.gateway.routes import chat as chat_routes
-from producers.gateway.service import ChatService
 from producers.relay.collector import StreamCollector
 from runtime.limiter import Decision, Limits, Refused, Window
-from runtime.settings import GatewaySettings, TierTable
-from schemas.events import ChatRequest, LimitOverrides, SamplingSpec
+from runtime.settings import TierTable
+from schemas.events import ChatRequest, LimitOverrides
+from tests.fakes.gateway import Clock, chat_service
 from tests.fakes.tenancy import api_key
 from tests.unit.gateway.test_submit_failures import TimedOutPublisher
 
 TIERS = TierTable.model_validate({})
-PROMPTS = SimpleNamespace(card=SimpleNamespace(served_name="m"), render=lambda messages: [1, 2, 3],
-                          sampling=lambda body, n: SamplingSpec(max_tokens=8))
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Relay:
@@ -181,8 +171,7 @@ async def test_a_produce_that_may_have_reached_the_log_leaves_its_settlement_to_
     slot."""
     shared = LocalLimiter()
     publisher = TimedOutPublisher()
-    chat = ChatService(GatewaySettings(instance_id="gw"), PROMPTS, publisher, Relay(), 0,  # type: ignore[arg-type]
-                       "gw/1", admission=Admission(shared, LocalLimiter(), TIERS))
+    chat = chat_service(publisher, Relay(), admission=Admission(shared, LocalLimiter(), TIERS))
     with pytest.raises(ApiError):
         await chat.accept(_body(), api_key(tier="plus"), client_addr=None, traceparent="00-0-0-01")
     await chat.drain()
@@ -202,9 +191,8 @@ def test_an_admitted_requests_error_answer_carries_the_rate_limit_headers() -> N
     out of ``answer.result()``; the error handler answers without them. Fix: catch ApiError in the route and
     re-raise it with ``accepted.ticket.headers()`` merged into its headers."""
     publisher = OkPublisher()
-    chat = ChatService(GatewaySettings(instance_id="gw", queue_deadline_s=0.05, first_token_grace_s=0.05),
-                       PROMPTS, publisher, Relay(), 0, "gw/1",  # type: ignore[arg-type]
-                       admission=Admission(LocalLimiter(), LocalLimiter(), TIERS))
+    chat = chat_service(publisher, Relay(), admission=Admission(LocalLimiter(), LocalLimiter(), TIERS),
+                        queue_deadline_s=0.05, first_token_grace_s=0.05)
     app = FastAPI()
     errors.install(app)
     app.include_router(chat_routes.router)

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 from aiokafka.errors import KafkaTimeoutError
 
 from producers.gateway.errors import ApiError, unavailable
 from producers.gateway.protocol import ChatCompletionRequest
-from producers.gateway.service import ChatService
-from runtime.settings import GatewaySettings, TenancySettings
-from schemas.events import ChatRequest, SamplingSpec
-from tests.fakes.tenancy import api_key, local_admission
+from runtime.settings import TenancySettings
+from schemas.events import ChatRequest
+from tests.fakes.gateway import chat_service
+from tests.fakes.tenancy import api_key
 
 
 class Relay:
@@ -53,11 +51,8 @@ async def test_a_request_whose_produce_timed_out_is_cancelled_before_the_client_
     answers 503 - and produces no CANCEL. If the record did reach the log (ack lost / sent after the error),
     a worker generates the whole answer for nobody and bills it (its gateway is alive, so the presence check
     never fires); the client, told to retry, is billed a second time for its retry."""
-    prompts = SimpleNamespace(card=SimpleNamespace(served_name="m"), render=lambda messages: [1, 2, 3],
-                              sampling=lambda body, n: SamplingSpec(max_tokens=8))
     publisher = TimedOutPublisher()
-    chat = ChatService(GatewaySettings(instance_id="gw"), prompts, publisher, Relay(), 0,  # type: ignore[arg-type]
-                       "gw/1", admission=local_admission())
+    chat = chat_service(publisher, Relay())
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
     with pytest.raises(ApiError) as raised:
         await chat.accept(body, api_key(), client_addr=None, traceparent="00-0-0-01")
@@ -75,12 +70,9 @@ class RecordingPublisher(TimedOutPublisher):
 async def test_each_tier_gets_its_own_queue_deadline_and_the_gateway_waits_for_exactly_that() -> None:
     """Issue 9 item 5: a request carries its tier's queue deadline (the worker refuses it after that, unbilled), and
     the gateway's own patience for a first token is that deadline plus the grace, not a global timeout."""
-    prompts = SimpleNamespace(card=SimpleNamespace(served_name="m"), render=lambda messages: [1, 2, 3],
-                              sampling=lambda body, n: SamplingSpec(max_tokens=8))
     tiers = TenancySettings().tiers.policies()
     tiers["free"] = tiers["free"].model_copy(update={"queue_deadline_s": 5.0})
-    chat = ChatService(GatewaySettings(instance_id="gw", queue_deadline_s=60.0, first_token_grace_s=7.0), prompts,
-                       RecordingPublisher(), Relay(), 0, "gw/1", tiers=tiers, admission=local_admission())  # type: ignore[arg-type]
+    chat = chat_service(RecordingPublisher(), Relay(), tiers=tiers, queue_deadline_s=60.0, first_token_grace_s=7.0)
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
     free = await chat.accept(body, api_key(tier="free"), client_addr=None, traceparent="00-0-0-01")
     plus = await chat.accept(body, api_key(tier="plus"), client_addr=None, traceparent="00-0-0-01")

@@ -312,15 +312,8 @@ async def test_a_fencing_seen_as_illegal_operation_loses_the_partition_and_keeps
                           usage_topic="usage", group_id="g", offsets=offsets, claims=FakeClaims(), batch_max=8,
                           give_up_s=5, on_partition_lost=on_lost)
     loop = asyncio.create_task(finalizer.run())
-    req = request(max_tokens=1)
-    final = TokenEvent(request_id=req.request_id, attempt=1, seq=0, token_offset=0, token_ids=[7], text=" t",
-                       finish_reason="length", worker_id="w1", emitted_at_us=1,
-                       usage=TokenUsage(prompt_tokens=4, completion_tokens=1))
-    record = UsageEvent(request_id=req.request_id, org_id="org", key_id="key", tier="plus", model="m",
-                        prompt_tokens=4, completion_tokens=1, cached_tokens=0, finish_reason="length", attempt=1,
-                        worker_id="w1", requested_at=req.created_at, started_at=utcnow(), finished_at=utcnow())
     try:
-        await finalizer.finish(Finished(final, record, 3, P0, 0, None, None))
+        await finalizer.finish(_finished(1, billed=True))
     except PartitionLost:
         pass
     else:
