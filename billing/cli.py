@@ -1,4 +1,4 @@
-"""``kns billing``: reconcile the ledger against the usage topic, export usage, manage prices.
+"""``kns billing``: reconcile the ledger against the usage topic, export usage, manage prices, check orgs' spend.
 
 Errors an operator can fix (a refused price, an unreachable Cassandra) are one line on stderr and exit 1.
 """
@@ -27,8 +27,10 @@ from billing.prices import Price, PriceLead, PriceRefused, PriceStore
 from billing.reconcile import ACTIONS, FINAL, Report, reconcile
 from billing.replay import UsageReplay, replay_usage
 from runtime.cassandra_client import connect_async
+from runtime.redis_client import make_redis
 from runtime.retry import TRANSIENT
 from runtime.settings import Settings, load_settings
+from runtime.spend import Spend, SpendBook, month_of, to_nanos, usd
 
 T = TypeVar("T")
 app = typer.Typer(help="Billing: reconcile, export, prices.", no_args_is_help=True)
@@ -224,3 +226,53 @@ def set_price(
     except PriceRefused as exc:
         raise _fail(str(exc)) from exc
     console.print(f"price {price.describe()} added")
+
+
+async def _spend(org: str, month: str, repair: bool) -> tuple[Spend, int, Spend | None]:
+    settings = load_settings()
+    first = datetime.strptime(month, "%Y-%m").replace(tzinfo=UTC)
+    after = (first + timedelta(days=32)).replace(day=1)
+    redis = make_redis(settings.redis)
+    book = SpendBook(redis, settings.redis)
+    try:
+        async with _cassandra(settings) as session:
+            ledger = await Ledger.open(session, settings.cassandra.keyspace)
+            rows = await ledger.rows_for_org(org, first, after)
+        ledger_nanos = to_nanos(sum((Decimal(r["cost"]) for r in rows), Decimal(0)))
+        before = await book.read(org, month)
+        if repair and before.billed_nanos != ledger_nanos:
+            await book.set_billed(org, month, ledger_nanos)
+            return before, ledger_nanos, await book.read(org, month)
+        return before, ledger_nanos, None
+    finally:
+        await redis.aclose()
+
+
+@app.command("spend")
+def spend_command(
+    org: str = typer.Argument(..., help="The organisation."),
+    month: str | None = typer.Option(None, help="YYYY-MM (UTC; default: this month)."),
+    repair: bool = typer.Option(False, "--repair", help="Set the billed spend admission checks budgets against to "
+                                "the ledger's sum (after Redis lost its data). Holds of requests in flight are kept."),
+) -> None:
+    """An org's monthly spend as admission sees it (Redis: billed + holds in flight) against the ledger's sum;
+    exit 1 when they disagree (and it was not repaired)."""
+    month = month or month_of(datetime.now(UTC))
+    try:
+        datetime.strptime(month, "%Y-%m")
+    except ValueError:
+        raise typer.BadParameter("--month must be YYYY-MM") from None
+    spend, ledger_nanos, repaired = _run(_spend(org, month, repair))
+    table = Table(title=f"spend of {org} in {month} (USD)")
+    for column in ("", "billed", "held in flight", "requests in flight", "ledger"):
+        table.add_column(column, justify="right")
+    table.add_row("redis", str(usd(spend.billed_nanos)), str(usd(spend.reserved_nanos)), str(spend.holds),
+                  str(usd(ledger_nanos)))
+    if repaired is not None:
+        table.add_row("repaired", str(usd(repaired.billed_nanos)), str(usd(repaired.reserved_nanos)),
+                      str(repaired.holds), str(usd(ledger_nanos)))
+    console.print(table)
+    agrees = (repaired or spend).billed_nanos == ledger_nanos
+    if not agrees:
+        err.print("billed spend differs from the ledger: run with --repair (or wait for billing to catch up)")
+    raise typer.Exit(0 if agrees else 1)

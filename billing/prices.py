@@ -177,8 +177,10 @@ class PriceBook:
     def covers(self, at: datetime) -> bool:
         return self.complete_until is None or at < self.complete_until
 
-    def price_at(self, model: str, at: datetime) -> Price:
-        if self.complete_until is not None and at >= self.complete_until:
+    def price_at(self, model: str, at: datetime, *, vouch: bool = True) -> Price:
+        """The version valid at ``at``. ``vouch=False``: the newest the book knows of, even for a time it cannot
+        vouch for (an estimate, e.g. a budget hold; never a bill)."""
+        if vouch and self.complete_until is not None and at >= self.complete_until:
             raise PriceBookStale(f"the price book holds every version starting before "
                                  f"{self.complete_until.isoformat()}, so it cannot price {model!r} at {at.isoformat()} "
                                  "(a version added since may apply): reload it, or wait until that time is covered")

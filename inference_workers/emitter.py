@@ -122,7 +122,7 @@ class Finalizer:
         self._transactions = transactions
         self._settlements = settlements
         #: settlements Redis did not take yet (retried with backoff by ``_settle_retry``)
-        self._unsettled: list[tuple[str, int]] = []
+        self._unsettled: list[tuple[str, int, bool]] = []
         self._settle_retry: asyncio.Task[None] | None = None
         self._token_topic = token_topic
         self._usage_topic = usage_topic
@@ -316,8 +316,7 @@ class Finalizer:
         """Tell the rate limiter what each request used: what was just committed, so billed exactly once."""
         if self._settlements is None:
             return
-        self._unsettled += [(item.final.request_id, item.usage.prompt_tokens + item.usage.completion_tokens
-                             if item.usage is not None else 0) for item in items]
+        self._unsettled += [(item.final.request_id, _used(item.usage), item.usage is not None) for item in items]
         del self._unsettled[:-MAX_UNSETTLED]
         await self._flush_settlements()
 
@@ -343,6 +342,10 @@ class Finalizer:
             if await self._flush_settlements():
                 return
             delay = min(delay * 2, 30.0)
+
+
+def _used(usage: UsageEvent | None) -> int:
+    return 0 if usage is None else usage.prompt_tokens + usage.completion_tokens
 
 
 def _recorded_failure(producer: AIOKafkaProducer) -> BaseException | None:

@@ -74,7 +74,9 @@ class ClaimsT(Protocol):
 class SettlementsT(Protocol):
     """Where the rate limiter learns what a finalized request used (``runtime.limiter.RateLimiter``)."""
 
-    async def settle_many(self, used: list[tuple[str, int]]) -> int: ...
+    async def settle_many(self, used: list[tuple[str, int, bool]]) -> int:
+        """(request id, tokens used, billed) each."""
+        ...
 
 
 class TokenSinkT(Protocol):

@@ -26,17 +26,23 @@ from redis.asyncio import Redis
 
 from runtime.redis_client import key as redis_key
 from runtime.settings import RedisSettings
+from runtime.spend import KEEP_S, BudgetHold, spend_keys
 
 # KEYS: 1-3 the key's requests bucket, tokens bucket, in-flight set; 4-6 the org's; 7 the reservation;
-#       8-9 the key's and the org's settled-token counters (kept in the reservation for whoever settles it).
-# ARGV: 1 request id, 2 tokens, 3 lease ms, 4-6 the key's rpm, tpm, max in flight, 7-9 the org's, 10 reservation ttl s
+#       8-9 the key's and the org's settled-token counters (kept in the reservation for whoever settles it);
+#       10-12 the org-month's spend sum, holds and hold expiries (runtime/spend.py).
+# ARGV: 1 request id, 2 tokens, 3 lease ms, 4-6 the key's rpm, tpm, max in flight, 7-9 the org's, 10 reservation ttl s,
+#       11 the org's monthly budget in nano-dollars (-1: none), 12 the request's hold, 13 the alert fraction,
+#       14 how long the spend keys are kept (s).
 # Returns {1, requests remaining, requests reset ms, tokens remaining, tokens reset ms} or
 #         {0, requests remaining, requests reset ms, tokens remaining, tokens reset ms,
-#          limit ('requests'|'tokens'|'concurrent'), scope ('key'|'org'), retry after ms (-1: never), limit value}.
+#          limit ('budget'|'requests'|'tokens'|'concurrent'), scope ('key'|'org'), retry after ms (-1: never),
+#          limit value}.
 _ADMIT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local rid, cost, lease = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local budget, hold = tonumber(ARGV[11]), tonumber(ARGV[12])
 local buckets = {
   {KEYS[1], tonumber(ARGV[4]), 1, 'requests', 'key'}, {KEYS[2], tonumber(ARGV[5]), cost, 'tokens', 'key'},
   {KEYS[4], tonumber(ARGV[7]), 1, 'requests', 'org'}, {KEYS[5], tonumber(ARGV[8]), cost, 'tokens', 'org'},
@@ -55,6 +61,17 @@ local function reset(i, debit)
 end
 local function refuse(limit, scope, wait, value)
   return {0, math.floor(levels[r]), reset(r, 0), math.floor(levels[k]), reset(k, 0), limit, scope, wait, value}
+end
+if budget >= 0 then
+  -- holds nobody ended (their requests were lost) lapse; a few per admission keeps this O(1)
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[12], '-inf', now, 'LIMIT', 0, 16)) do
+    local held = redis.call('HGET', KEYS[11], id)
+    if held then redis.call('HINCRBY', KEYS[10], 'reserved', -tonumber(held)) end
+    redis.call('HDEL', KEYS[11], id)
+    redis.call('ZREM', KEYS[12], id)
+  end
+  local s = redis.call('HMGET', KEYS[10], 'billed', 'reserved')
+  if (tonumber(s[1]) or 0) + (tonumber(s[2]) or 0) + hold > budget then return refuse('budget', 'org', -1, budget) end
 end
 for i, b in ipairs(buckets) do
   if levels[i] < b[3] then
@@ -79,10 +96,19 @@ end
 redis.call('HSET', KEYS[7], 'tokens', cost, 'tk', KEYS[2], 'to', KEYS[5], 'capk', ARGV[5], 'capo', ARGV[8],
            'fk', KEYS[3], 'fo', KEYS[6], 'sk', KEYS[8], 'so', KEYS[9])
 redis.call('EXPIRE', KEYS[7], ARGV[10])
+if budget >= 0 then
+  redis.call('HINCRBY', KEYS[10], 'reserved', hold)
+  redis.call('HSET', KEYS[10], 'budget', ARGV[11], 'frac', ARGV[13])
+  redis.call('HSET', KEYS[11], rid, hold)
+  redis.call('ZADD', KEYS[12], now + tonumber(ARGV[10]) * 1000, rid)
+  for i = 10, 12 do redis.call('EXPIRE', KEYS[i], ARGV[14]) end
+  redis.call('HSET', KEYS[7], 'bs', KEYS[10], 'bh', KEYS[11], 'be', KEYS[12])
+end
 return {1, math.floor(levels[r] - 1), reset(r, 1), math.floor(levels[k] - cost), reset(k, cost)}
 """
 
-# KEYS: 1 the reservation. ARGV: 1 request id, 2 tokens used.
+# KEYS: 1 the reservation. ARGV: 1 request id, 2 tokens used, 3 '1' when the request was billed (its budget hold is
+# then the billing processor's to end, with its cost), else '0' (the hold is dropped here).
 # Returns 1 when this call settled the reservation, 0 when there was none (settled already, or expired).
 _SETTLE = """
 local r = redis.call('HGETALL', KEYS[1])
@@ -103,6 +129,12 @@ redis.call('ZREM', h['fk'], ARGV[1])
 redis.call('ZREM', h['fo'], ARGV[1])
 redis.call('INCRBY', h['sk'], ARGV[2])
 redis.call('INCRBY', h['so'], ARGV[2])
+if h['bs'] and ARGV[3] == '0' then
+  local held = redis.call('HGET', h['bh'], ARGV[1])
+  if held then redis.call('HINCRBY', h['bs'], 'reserved', -tonumber(held)) end
+  redis.call('HDEL', h['bh'], ARGV[1])
+  redis.call('ZREM', h['be'], ARGV[1])
+end
 redis.call('DEL', KEYS[1])
 return 1
 """
@@ -147,7 +179,7 @@ class Admitted:
 
 @dataclass(frozen=True)
 class Refused:
-    limit: str  # requests | tokens | concurrent
+    limit: str  # budget | requests | tokens | concurrent
     scope: str  # key | org
     retry_after_ms: int  # -1: never (the request alone exceeds the limit)
     value: int
@@ -158,20 +190,23 @@ class Refused:
 
 
 Decision = Admitted | Refused
+#: (request id, tokens used, billed)
+Settlement = tuple[str, int, bool]
 
 
 class Limiter(Protocol):
     """Admission against a key's and its org's limits, and the end of what was admitted."""
 
     async def admit(self, request_id: str, tokens: int, *, key_id: str, org_id: str, key_limits: Limits,
-                    org_limits: Limits) -> Decision: ...
+                    org_limits: Limits, budget: BudgetHold | None = None) -> Decision: ...
 
     async def release(self, request_id: str, *, key_id: str, org_id: str) -> None:
         """The request is over for its client: its in-flight slots are free (its tokens are settled later)."""
         ...
 
-    async def settle(self, request_id: str, used_tokens: int) -> bool:
-        """Give back what the request reserved and did not use; once (later calls return False)."""
+    async def settle(self, request_id: str, used_tokens: int, *, billed: bool = False) -> bool:
+        """Give back what the request reserved and did not use; once (later calls return False). Unbilled, its
+        budget hold goes too; billed, the billing processor ends the hold when it charges the cost."""
         ...
 
 
@@ -207,13 +242,16 @@ class RateLimiter:
         return redis_key(self._settings, "rl", scope, ident, "settled")
 
     async def admit(self, request_id: str, tokens: int, *, key_id: str, org_id: str, key_limits: Limits,
-                    org_limits: Limits) -> Decision:
+                    org_limits: Limits, budget: BudgetHold | None = None) -> Decision:
+        spend = spend_keys(self._settings, org_id, budget.month if budget else "-")
         keys = [*self._keys("key", key_id), *self._keys("org", org_id), self._reservation(request_id),
-                self.settled_key("key", key_id), self.settled_key("org", org_id)]
-        args: list[str | int] = [request_id, tokens, self._lease_ms,
-                                 key_limits.requests_per_minute, key_limits.tokens_per_minute,
-                                 key_limits.max_concurrent, org_limits.requests_per_minute,
-                                 org_limits.tokens_per_minute, org_limits.max_concurrent, self._ttl]
+                self.settled_key("key", key_id), self.settled_key("org", org_id), *spend.all()]
+        args: list[str | int | float] = [
+            request_id, tokens, self._lease_ms, key_limits.requests_per_minute, key_limits.tokens_per_minute,
+            key_limits.max_concurrent, org_limits.requests_per_minute, org_limits.tokens_per_minute,
+            org_limits.max_concurrent, self._ttl,
+            budget.budget_nanos if budget else -1, budget.hold_nanos if budget else 0,
+            budget.alert_fraction if budget else 1, KEEP_S]
         answer = await self._admit(keys=keys, args=args)
         window = Window(min(key_limits.requests_per_minute, org_limits.requests_per_minute), int(answer[1]),
                         int(answer[2]), min(key_limits.tokens_per_minute, org_limits.tokens_per_minute),
@@ -229,16 +267,18 @@ class RateLimiter:
                 pipe.zrem(flight, request_id)
             await pipe.execute()
 
-    async def settle(self, request_id: str, used_tokens: int) -> bool:
-        return bool(int(await self._settle(keys=[self._reservation(request_id)], args=[request_id, used_tokens])))
+    async def settle(self, request_id: str, used_tokens: int, *, billed: bool = False) -> bool:
+        return bool(int(await self._settle(keys=[self._reservation(request_id)],
+                                           args=[request_id, used_tokens, int(billed)])))
 
-    async def settle_many(self, used: list[tuple[str, int]]) -> int:
+    async def settle_many(self, used: list[Settlement]) -> int:
         """Settle several requests in one round trip; how many this call settled."""
         if not used:
             return 0
         async with self._redis.pipeline(transaction=False) as pipe:
-            for request_id, tokens in used:
-                await self._settle(keys=[self._reservation(request_id)], args=[request_id, tokens], client=pipe)
+            for request_id, tokens, billed in used:
+                await self._settle(keys=[self._reservation(request_id)], args=[request_id, tokens, int(billed)],
+                                   client=pipe)
             return sum(int(x) for x in await pipe.execute())
 
 

@@ -112,6 +112,7 @@ BILLING_RECORDED = Counter(
     "kns_billing_usage_total", "Usage events billed, by whether they created the ledger row", ["created"]
 )
 BILLING_HOURS_RECOMPUTED = Counter("kns_billing_hours_recomputed_total", "Hourly aggregates recomputed")
+BUDGET_ALERTS = Counter("kns_budget_alerts_total", "Budget alerts raised, by kind (threshold, exhausted)", ["kind"])
 ABUSE_ALERTS = Counter("kns_abuse_alerts_total", "Abuse alerts raised", ["rule", "action"])
 
 #: ``GET /metrics`` for any of our HTTP apps (a plain route: a mounted app would redirect to /metrics/)

@@ -21,6 +21,7 @@ from fastavro.schema import fingerprint, to_parsing_canonical_form
 from schemas.errors import DecodeError
 from schemas.events import (
     AbuseAlert,
+    BudgetAlert,
     ChatRequest,
     ControlEvent,
     Event,
@@ -43,6 +44,7 @@ SCHEMA_DIRS: dict[type[Event], str] = {
     UsageEvent: "usage_event",
     SafetyVerdict: "safety_verdict",
     AbuseAlert: "abuse_alert",
+    BudgetAlert: "budget_alert",
     OrgRecord: "org_record",
     KeyRecord: "key_record",
 }

@@ -185,6 +185,18 @@ class AbuseAlert(Event):
     raised_at: datetime
 
 
+class BudgetAlert(Event):
+    alert_id: str
+    org_id: str
+    month: str
+    kind: str  # threshold | exhausted
+    billed_usd: str
+    budget_usd: str
+    alert_fraction: float
+    request_id: str
+    raised_at: datetime
+
+
 class LimitOverrides(Event):
     """An org's own limits; None: its tier's."""
 

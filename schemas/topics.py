@@ -12,6 +12,7 @@ from typing import Literal
 
 from schemas.events import (
     AbuseAlert,
+    BudgetAlert,
     ChatRequest,
     ControlEvent,
     Event,
@@ -63,6 +64,7 @@ class TopicMap:
     usage: TopicSpec
     verdicts: TopicSpec
     alerts: TopicSpec
+    budget_alerts: TopicSpec
     orgs: TopicSpec
     keys: TopicSpec
     dead_letter: TopicSpec
@@ -145,6 +147,18 @@ TOPICS = TopicMap(
         producers=("abuse detector",),
         consumers=("operators", "analysts"),
         description="Keys flagged or suspended by the abuse detector; compaction keeps one record per alert id.",
+        cleanup_policy="compact,delete",
+    ),
+    budget_alerts=TopicSpec(
+        name="llm.billing.alerts.v1",
+        event=BudgetAlert,
+        key="alert_id (deterministic: org, month, kind, budget)",
+        partitions=3,
+        retention_ms=400 * DAY_MS,
+        producers=("billing aggregator (when a charge crosses an org's alert threshold or its budget)",),
+        consumers=("operators", "org admins' notifications"),
+        description="Monthly budget alerts: an org's billed spend crossed its alert fraction, or reached its budget "
+                    "(its requests then get 429 insufficient_quota); compaction keeps one record per alert id.",
         cleanup_policy="compact,delete",
     ),
     orgs=TopicSpec(

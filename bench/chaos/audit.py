@@ -19,18 +19,21 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
+from decimal import Decimal
 from typing import Any
 
 from bench.chaos.client import Stream
 from bench.common import percentiles
-from billing.ledger import Ledger, utc
+from billing.ledger import Ledger, LedgerRow, utc
 from billing.prices import PriceLead, PriceStore
 from billing.reconcile import reconcile
 from billing.replay import replay_usage
 from inference_workers.synthetic import expected_completion
 from runtime.cassandra_client import connect_async
 from runtime.kafka_clients import read_to_end
-from runtime.settings import KafkaSettings, Settings
+from runtime.redis_client import make_redis
+from runtime.settings import KafkaSettings, RedisSettings, Settings
+from runtime.spend import SpendBook, month_of, to_nanos, usd
 from schemas.codec import codec_for
 from schemas.events import ChatRequest, TokenEvent
 from schemas.topics import TOPICS
@@ -88,6 +91,10 @@ class Table:
     billed_for_nobody: int = 0
     #: tokens a client received that its bill does not count (or a bill missing for a stream that got tokens)
     billed_short: int = 0
+    #: the org's spend as admission sees it (Redis) minus the ledger's sum, in USD; after a scenario that wipes Redis
+    #: it is what ``kns billing spend --repair`` restores, and does not count against the goals
+    spend_minus_ledger_usd: str = "0"
+    spend_wiped: bool = False
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -95,7 +102,8 @@ class Table:
         return (self.completed + sum(self.failed.values()) == self.sent and "no [DONE]" not in self.failed
                 and not any(k.startswith("connection") for k in self.failed) and self.tokens_duplicated == 0
                 and self.tokens_lost == 0 and self.spliced_streams == 0 and self.ledger_minus_replay == 0
-                and self.billed_for_nobody == 0 and self.billed_short == 0)
+                and self.billed_for_nobody == 0 and self.billed_short == 0
+                and (self.spend_wiped or Decimal(self.spend_minus_ledger_usd) == 0))
 
     def as_json(self) -> dict[str, Any]:
         return {**asdict(self), "goals_met": self.goals_met}
@@ -103,7 +111,7 @@ class Table:
 
 async def audit(scenario: str, settings: Settings, kafka: KafkaSettings, org_id: str, streams: list[Stream],
                 started_at: datetime, *, synthetic: bool, reference: list[str] | None = None,
-                billing_wait_s: float = 90.0) -> Table:
+                billing_wait_s: float = 90.0, redis: RedisSettings | None = None, redis_wiped: bool = False) -> Table:
     table = Table(scenario, sent=len(streams))
     outcomes = Counter(s.outcome for s in streams)
     table.completed = outcomes.pop("completed", 0)
@@ -139,12 +147,27 @@ async def audit(scenario: str, settings: Settings, kafka: KafkaSettings, org_id:
     silences = [s.longest_silence() for s in streams if s.longest_silence() > AFFECTED_S]
     table.affected_streams = len(silences)
     table.recover_s = {k: v for k, v in percentiles(silences).items() if k in ("p50", "p99")}
-    await _billing(table, settings, kafka, org_id, delivered, started_at, billing_wait_s)
+    rows = await _billing(table, settings, kafka, org_id, delivered, started_at, billing_wait_s)
+    if redis is not None:
+        table.spend_wiped = redis_wiped
+        table.spend_minus_ledger_usd = str(usd(await _billed_spend(redis, org_id, rows)
+                                               - to_nanos(sum((r.cost for r in rows), Decimal(0)))))
     return table
 
 
+async def _billed_spend(settings: RedisSettings, org_id: str, rows: list[LedgerRow]) -> int:
+    client = make_redis(settings)
+    book = SpendBook(client, settings)
+    try:
+        months = {month_of(r.requested_at) for r in rows}
+        return sum([(await book.read(org_id, month)).billed_nanos for month in months])
+    finally:
+        await client.aclose()
+
+
 async def _billing(table: Table, settings: Settings, kafka: KafkaSettings, org_id: str,
-                   delivered: dict[str, tuple[int, Stream]], started_at: datetime, wait_s: float) -> None:
+                   delivered: dict[str, tuple[int, Stream]], started_at: datetime, wait_s: float
+                   ) -> list[LedgerRow]:
     start, end = started_at - timedelta(minutes=1), datetime.now(started_at.tzinfo) + timedelta(minutes=5)
     cluster, session = await connect_async(settings.cassandra)
     try:
@@ -177,5 +200,6 @@ async def _billing(table: Table, settings: Settings, kafka: KafkaSettings, org_i
             if got and request_id not in rows:
                 table.billed_short += got
                 table.notes.append(f"not billed {request_id}: received {got} tokens")
+        return list(rows.values())
     finally:
         await asyncio.to_thread(cluster.shutdown)

@@ -73,6 +73,7 @@ def render(tables: list[Table]) -> RichTable:
         "recovery p50 / p99 (streams)": recover,
         "ledger minus replay": lambda t: str(t.ledger_minus_replay),
         "billed for nobody": lambda t: str(t.billed_for_nobody),
+        "spend minus ledger (USD)": lambda t: t.spend_minus_ledger_usd + (" (wiped)" if t.spend_wiped else ""),
         "tokens received, not billed": lambda t: str(t.billed_short),
         "goals": lambda t: "[green]met[/green]" if t.goals_met else "[red]NOT MET[/red]",
     }

@@ -29,7 +29,7 @@ from ops.stack.manager import StackManager
 from ops.stack.provision import apply_schema
 from producers.tenancy.admin import UNLIMITED, KeyCreate, open_admin
 from runtime.kafka_clients import ensure_topics, make_admin
-from runtime.settings import REPO_ROOT, Settings
+from runtime.settings import REPO_ROOT, RedisSettings, Settings
 from schemas.topics import TOPICS
 
 RUN_ROOT = REPO_ROOT / ".local" / "chaos"
@@ -99,6 +99,10 @@ class ChaosEnv:
 
     def kafka(self) -> object:
         return self.settings.kafka.model_copy(update={"namespace": self.namespace})
+
+    def redis_settings(self) -> RedisSettings:
+        return self.settings.redis.model_copy(update={"url": f"redis://127.0.0.1:{self.ports.redis}/0",
+                                                      "key_prefix": f"kns-chaos-{self.run_id}:"})
 
     def env(self) -> dict[str, str]:
         k = self.knobs

@@ -50,7 +50,8 @@ async def run_scenario(settings: Settings, scenario: Scenario, shape: LoadShape,
         streams = await asyncio.wait_for(running, timeout_s)
         say(f"load done at {load.now():.1f} s; auditing streams, token log and ledger")
         table = await audit(scenario.name, settings, env.kafka(), env.org_id, streams, started_at,  # type: ignore[arg-type]
-                            synthetic=engine == "synthetic", reference=reference)
+                            synthetic=engine == "synthetic", reference=reference, redis=env.redis_settings(),
+                            redis_wiped=scenario.name == "restart-redis")
         context = {"namespace": env.namespace, "engine": engine, "knobs": env.knobs.__dict__,
                    "workers": scenario.workers, "shape": shape.__dict__, "summary": scenario.summary}
         return table, streams, context

@@ -5,6 +5,11 @@ alike to the key and to the org (the org's cap every key shares). The shared lim
 unreachable the tier's ``when_redis_down`` policy does: ``closed`` answers 503, ``local`` admits against this
 process's own limiter (``local_limiter.py``). A refusal is 429 ``rate_limit_exceeded`` in OpenAI's words, with
 ``Retry-After`` (and ``retry-after-ms``, which the openai SDK prefers) and the ``x-ratelimit-*`` headers.
+
+An org with a monthly budget has each request's budget hold (``budget.py``) checked in the same script: a request
+that could take the org's spend past its budget is 429 ``insufficient_quota``, as OpenAI answers a spent quota
+(no Retry-After: waiting does not help; raising the budget does, at once). The local limiter cannot see the spend:
+with Redis down, budgets are not enforced for tiers served locally.
 """
 
 from __future__ import annotations
@@ -15,16 +20,19 @@ import math
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
+from datetime import datetime
 
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from producers.gateway.budget import HoldPricer
 from producers.gateway.errors import ApiError, unavailable
 from producers.gateway.local_limiter import LocalLimiter
 from producers.tenancy.view import ApiKey
 from runtime.limiter import Admitted, Limiter, Limits, Refused, Window
 from runtime.metrics import LIMITER_DECISIONS, LIMITER_REDIS_DOWN, LIMITER_SECONDS
 from runtime.settings import TierTable
+from runtime.spend import BudgetHold
 from schemas.events import OrgRecord
 
 log = logging.getLogger(__name__)
@@ -64,19 +72,28 @@ class Ticket:
 
 
 class Admission:
-    def __init__(self, shared: Limiter, local: LocalLimiter, tiers: TierTable) -> None:
+    def __init__(self, shared: Limiter, local: LocalLimiter, tiers: TierTable, holds: HoldPricer | None = None
+                 ) -> None:
         self._shared = shared
         self._local = local
         self._tiers = tiers
+        self._holds = holds
         self._background: set[asyncio.Task[None]] = set()
 
-    async def admit(self, request_id: str, tokens: int, key: ApiKey) -> Ticket:
+    def hold_for(self, org: OrgRecord, model: str, prompt_tokens: int, max_tokens: int, at: datetime
+                 ) -> BudgetHold | None:
+        """The request's budget hold, when its org has a budget (and this gateway prices holds)."""
+        if self._holds is None:
+            return None
+        return self._holds.hold(org, model, prompt_tokens, max_tokens, at)
+
+    async def admit(self, request_id: str, tokens: int, key: ApiKey, budget: BudgetHold | None = None) -> Ticket:
         limits = limits_for(key.org, self._tiers)
         started = time.perf_counter()
         limiter, local = self._shared, False
         try:
             decision = await self._shared.admit(request_id, tokens, key_id=key.key_id, org_id=key.org_id,
-                                                key_limits=limits, org_limits=limits)
+                                                key_limits=limits, org_limits=limits, budget=budget)
         except LIMITER_DOWN as exc:
             policy = self._tiers.policy(key.tier).when_redis_down
             LIMITER_REDIS_DOWN.labels(policy=policy).inc()
@@ -100,6 +117,8 @@ class Admission:
         LIMITER_SECONDS.labels(limiter=kind).observe(time.perf_counter() - started)
         if isinstance(decision, Refused):
             LIMITER_DECISIONS.labels(outcome=decision.limit, limiter=kind).inc()
+            if decision.limit == "budget":
+                raise over_budget(decision, key, budget)
             raise rate_limited(decision, tokens, key)
         LIMITER_DECISIONS.labels(outcome="admitted", limiter=kind).inc()
         return Ticket(request_id, key.key_id, key.org_id, tokens, limiter, decision.window, local)
@@ -149,6 +168,13 @@ class Admission:
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def over_budget(refused: Refused, key: ApiKey, budget: BudgetHold | None) -> ApiError:
+    hold = f" (this request may cost up to ${budget.hold_nanos / 1e9:.9f})" if budget else ""
+    return ApiError(429, f"You exceeded your current quota: organization {key.org_id}'s monthly budget of "
+                         f"${refused.value / 1e9:.2f} is spent{hold}. Raise the budget to be served again.",
+                    type="insufficient_quota", code="insufficient_quota", headers=refused.headers())
 
 
 def rate_limited(refused: Refused, tokens: int, key: ApiKey) -> ApiError:

@@ -15,8 +15,10 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from fastapi import FastAPI
 
 from billing.ledger import Ledger
+from billing.prices import LivePrices, PriceLead, PriceStore
 from producers.gateway import errors
 from producers.gateway.admission import Admission
+from producers.gateway.budget import HoldPricer
 from producers.gateway.deps import GatewayContext
 from producers.gateway.keys import KeySuspensions
 from producers.gateway.limits import BodySizeLimit
@@ -78,10 +80,15 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         request_topic = TOPICS.requests_submitted if settings.safety.prefilter else TOPICS.requests_admitted
         publisher = EventPublisher(producer, kafka, request_topic, TOPICS.control, settings.gateway.instance_id)
         tenancy_settings = settings.tenancy
+        price_store = await asyncio.to_thread(PriceStore, session, settings.cassandra.keyspace,
+                                              PriceLead(settings.processors.price_reload_s))
+        holds = HoldPricer(LivePrices(price_store, await price_store.load()), settings.processors.price_reload_s)
+        holds.start()
+        stack.push_async_callback(holds.stop)
         admission = Admission(
             RateLimiter(redis, settings.redis, lease_s=tenancy_settings.lease_s,
                         reservation_ttl_s=tenancy_settings.reservation_ttl_s),
-            LocalLimiter(share=tenancy_settings.local_share), tenancy_settings.tiers)
+            LocalLimiter(share=tenancy_settings.local_share), tenancy_settings.tiers, holds)
         stack.push_async_callback(admission.drain)
         chat_service = ChatService(settings.gateway, prompts, publisher, relay, reply_partition, claim.gateway_id,
                                    admission=admission, tiers=tenancy_settings.tiers.policies())

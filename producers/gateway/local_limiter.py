@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from runtime.limiter import Admitted, Decision, Limits, Refused, Window
+from runtime.spend import BudgetHold
 
 
 @dataclass
@@ -61,7 +62,8 @@ class LocalLimiter:
         return bucket
 
     async def admit(self, request_id: str, tokens: int, *, key_id: str, org_id: str, key_limits: Limits,
-                    org_limits: Limits) -> Decision:
+                    org_limits: Limits, budget: BudgetHold | None = None) -> Decision:
+        # ``budget`` is not checked: an org's spend lives in Redis, which is down when this limiter decides.
         now = self._now()
         checks = []
         for scope, ident, limits in (("key", key_id, key_limits), ("org", org_id, org_limits)):
@@ -96,7 +98,7 @@ class LocalLimiter:
         for scope, ident in (("key", key_id), ("org", org_id)):
             self._flights.get((scope, ident), set()).discard(request_id)
 
-    async def settle(self, request_id: str, used_tokens: int) -> bool:
+    async def settle(self, request_id: str, used_tokens: int, *, billed: bool = False) -> bool:
         reservation = self._reservations.pop(request_id, None)
         if reservation is None:
             return False

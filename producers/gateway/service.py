@@ -40,6 +40,7 @@ from runtime.metrics import (
     GATEWAY_TTFT,
 )
 from runtime.settings import GatewaySettings, TierPolicy
+from runtime.spend import BudgetHold
 from schemas.events import ChatRequest, ErrorCode, ReplyTo, TokenUsage, utcnow
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,8 @@ class ChatService:
             client_addr=client_addr,
         )
         # Reserves prompt + max_tokens against the key's and org's limits (429 past them) before anything is produced
-        ticket = await self._admit(request.request_id, len(prompt_ids) + sampling.max_tokens, key)
+        budget = self._admission.hold_for(key.org, body.model, len(prompt_ids), sampling.max_tokens, created_at)
+        ticket = await self._admit(request.request_id, len(prompt_ids) + sampling.max_tokens, key, budget)
         try:
             collector = await self._submit(request, traceparent)
         except BaseException:
@@ -131,8 +133,8 @@ class ChatService:
         return Accepted(request, collector, traceparent, body.include_usage, received_at,
                         queue_deadline_s=self.queue_deadline_s(key.tier), ticket=ticket)
 
-    async def _admit(self, request_id: str, tokens: int, key: ApiKey) -> Ticket:
-        admitting = asyncio.ensure_future(self._admission.admit(request_id, tokens, key))
+    async def _admit(self, request_id: str, tokens: int, key: ApiKey, budget: BudgetHold | None) -> Ticket:
+        admitting = asyncio.ensure_future(self._admission.admit(request_id, tokens, key, budget))
         try:
             return await asyncio.shield(admitting)
         except asyncio.CancelledError:

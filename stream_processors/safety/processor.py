@@ -25,6 +25,7 @@ from typing import Any
 import faust
 from redis.exceptions import RedisError
 
+from runtime.limiter import RateLimiter
 from runtime.metrics import SAFETY_CLASSIFY, SAFETY_PREFILTER_DELAY, SAFETY_STALE, SAFETY_VERDICTS
 from runtime.redis_client import key as redis_key
 from runtime.redis_client import make_redis
@@ -96,6 +97,14 @@ def build(settings: Settings) -> faust.App:
     requests_codec, token_codec = codec_for(ChatRequest), codec_for(TokenEvent)
     verdict_codec, control_codec = codec_for(SafetyVerdict), codec_for(ControlEvent)
     outputs = OpenOutputs(settings.safety.post_stride_tokens, settings.safety.post_window_chars)
+    limiter = RateLimiter(redis, settings.redis)
+
+    async def unbilled(request_id: str) -> None:
+        """A request answered here is never generated: its reserved tokens and budget hold are given back."""
+        try:
+            await limiter.settle(request_id, 0, billed=False)
+        except (RedisError, OSError) as exc:  # they lapse with the reservation's TTL
+            log.warning("could not settle a refused request", extra={"request_id": request_id, "error": repr(exc)})
 
     async def send_verdict(event: SafetyVerdict) -> None:
         await verdicts.send(key=event.request_id.encode(), value=verdict_codec.encode(event))
@@ -121,6 +130,7 @@ def build(settings: Settings) -> faust.App:
                 SAFETY_STALE.labels(stage="pre").inc()
                 await tokens.send(key=request.request_id.encode(), value=token_codec.encode(ended),
                                   partition=request.reply.partition)
+                await unbilled(request.request_id)
                 continue
             if request.deadline_at is None and now.timestamp() - request.created_at.timestamp() > \
                     settings.safety.max_request_age_s:  # an older gateway's request (no deadline): dropped
@@ -134,6 +144,7 @@ def build(settings: Settings) -> faust.App:
             if verdict.blocked:
                 await tokens.send(key=request.request_id.encode(), value=token_codec.encode(refusal(request)),
                                   partition=request.reply.partition)
+                await unbilled(request.request_id)
             else:
                 await admitted.send(key=event.key, value=event.value, headers=event.message.headers)
             SAFETY_PREFILTER_DELAY.observe(max(0.0, time.time() - event.message.timestamp))

@@ -17,6 +17,7 @@ from schemas.compat import backward_compatible
 from schemas.events import (
     AbuseAction,
     AbuseAlert,
+    BudgetAlert,
     ChatMessage,
     ChatRequest,
     ControlAction,
@@ -63,6 +64,9 @@ SAMPLES = [
                   classifier="combined/exemplars.v1", org_id=None, key_id="k", at_token=24, decided_at=NOW),
     AbuseAlert(alert_id="a1", key_id="k", org_id="o", tier="free", rule="request_burst", observed=31, threshold=15,
                window_start=NOW, window_s=10, action=AbuseAction.SUSPEND, raised_at=NOW),
+    BudgetAlert(alert_id="budget:acme:2026-11:threshold:250000000", org_id="acme", month="2026-11", kind="threshold",
+                billed_usd="200.000017", budget_usd="250", alert_fraction=0.8, request_id="r",
+                raised_at=NOW),
     OrgRecord(org_id="acme", name="Acme", tier="plus", limits=LimitOverrides(tokens_per_minute=90_000),
               monthly_budget_micros=250_000_000, budget_alert_fraction=0.9, created_at=NOW, updated_at=NOW),
     OrgRecord(org_id="o", name="o", tier="free", created_at=NOW, updated_at=NOW),

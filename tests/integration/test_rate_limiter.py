@@ -111,8 +111,8 @@ async def test_release_frees_the_slot_and_settle_many_settles_each_once(stack: S
         await limiter.release(ids[0], key_id=key_id, org_id=org_id)  # the client's answer ended
         assert isinstance(await limiter.admit(ids[2], 50, key_id=key_id, org_id=org_id, key_limits=limits,
                                               org_limits=WIDE), Admitted)
-        assert await limiter.settle_many([(ids[0], 30), (ids[1], 0), (ids[2], 50)]) == 3
-        assert await limiter.settle_many([(ids[0], 30)]) == 0
+        assert await limiter.settle_many([(ids[0], 30, True), (ids[1], 0, False), (ids[2], 50, True)]) == 3
+        assert await limiter.settle_many([(ids[0], 30, True)]) == 0
         assert int(await redis.get(limiter.settled_key("key", key_id))) == 80
     finally:
         await redis.aclose()

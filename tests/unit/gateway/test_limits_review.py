@@ -25,6 +25,7 @@ from producers.gateway.routes import chat as chat_routes
 from producers.relay.collector import StreamCollector
 from runtime.limiter import Decision, Limits, Refused, Window
 from runtime.settings import TierTable
+from runtime.spend import BudgetHold
 from schemas.events import ChatRequest, LimitOverrides
 from tests.fakes.gateway import Clock, chat_service
 from tests.fakes.tenancy import api_key
@@ -86,7 +87,7 @@ class FlappingShared:
     async def release(self, request_id: str, **_: Any) -> None:
         pass
 
-    async def settle(self, request_id: str, used_tokens: int) -> bool:
+    async def settle(self, request_id: str, used_tokens: int, *, billed: bool = False) -> bool:
         return False
 
 
@@ -123,7 +124,7 @@ class LostReply(LocalLimiter):
         self.lose = True
 
     async def admit(self, request_id: str, tokens: int, *, key_id: str, org_id: str, key_limits: Limits,
-                    org_limits: Limits) -> Decision:
+                    org_limits: Limits, budget: BudgetHold | None = None) -> Decision:
         decision = await super().admit(request_id, tokens, key_id=key_id, org_id=org_id, key_limits=key_limits,
                                        org_limits=org_limits)
         if self.lose:

@@ -19,10 +19,10 @@ class FlakySettlements:
 
     def __init__(self, failures: int = 1) -> None:
         self.failures = failures
-        self.settled: list[tuple[str, int]] = []
+        self.settled: list[tuple[str, int, bool]] = []
         self.landed = asyncio.Event()
 
-    async def settle_many(self, used: list[tuple[str, int]]) -> int:
+    async def settle_many(self, used: list[tuple[str, int, bool]]) -> int:
         if self.failures:
             self.failures -= 1
             raise RedisConnectionError("Connection reset by peer")
@@ -59,4 +59,4 @@ async def test_a_settlement_that_failed_once_is_retried_until_it_lands() -> None
         await asyncio.wait_for(settlements.landed.wait(), 3.0)
     await finalizer.stop()
     await loop
-    assert settlements.settled == [(item.final.request_id, 9)], "the committed usage was never settled"
+    assert settlements.settled == [(item.final.request_id, 9, True)], "the committed usage was never settled"

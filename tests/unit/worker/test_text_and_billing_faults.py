@@ -327,9 +327,9 @@ async def test_a_fencing_seen_as_illegal_operation_loses_the_partition_and_keeps
 
 class RecordingSettlements:
     def __init__(self) -> None:
-        self.settled: list[tuple[str, int]] = []
+        self.settled: list[tuple[str, int, bool]] = []
 
-    async def settle_many(self, used: list[tuple[str, int]]) -> int:
+    async def settle_many(self, used: list[tuple[str, int, bool]]) -> int:
         self.settled += used
         return len(used)
 
@@ -364,7 +364,8 @@ async def test_the_rate_limiter_is_settled_with_what_was_billed_once_the_commit_
     await asyncio.gather(finalizer.finish(billed), finalizer.finish(unbilled))
     await finalizer.stop()
     await loop
-    assert sorted(settlements.settled) == sorted([(billed.final.request_id, 9), (unbilled.final.request_id, 0)])
+    assert sorted(settlements.settled) == sorted([(billed.final.request_id, 9, True),
+                                                (unbilled.final.request_id, 0, False)])
 
 
 async def test_a_fenced_commit_settles_nothing() -> None:
