@@ -25,7 +25,9 @@ from billing.replay import replay_usage
 from ops.stack.provision import apply_schema
 from runtime.cassandra_client import connect_async
 from runtime.kafka_clients import ensure_topics, make_admin, make_producer
+from runtime.redis_client import make_redis
 from runtime.settings import Settings
+from runtime.spend import SpendBook
 from schemas.codec import codec_for
 from schemas.events import UsageEvent
 from schemas.topics import TOPICS
@@ -61,6 +63,10 @@ async def run(settings: Settings, n: int, report: Callable[[str], None]) -> dict
     run_id = uuid.uuid4().hex[:6]
     kafka = settings.kafka.model_copy(update={"namespace": f"bench{run_id}"})
     cassandra = settings.cassandra.model_copy(update={"keyspace": f"kns_bench_{run_id}"})
+    # The repair charges what it bills to the orgs' spend: in keys of the run's own (they expire with their month)
+    redis_settings = settings.redis.model_copy(update={"key_prefix": f"kns-bench{run_id}:"})
+    redis = make_redis(redis_settings)
+    spend = SpendBook(redis, redis_settings)
     steps: dict[str, float] = {}
     start = datetime.now(UTC).replace(microsecond=0) - timedelta(hours=2)
     end = start + timedelta(hours=1, seconds=1)
@@ -95,7 +101,8 @@ async def run(settings: Settings, n: int, report: Callable[[str], None]) -> dict
         empty = await timed(steps, "reconcile_empty_ledger", lambda: _reconcile(kafka, ledger, prices, start, end,
                                                                                   repair=False))
         report(f"repair: writing {n} ledger rows")
-        repaired = await timed(steps, "repair", lambda: _reconcile(kafka, ledger, prices, start, end, repair=True))
+        repaired = await timed(steps, "repair", lambda: _reconcile(kafka, ledger, prices, start, end, repair=True,
+                                                                   spend=spend))
         report("reconcile against the full ledger")
         clean = await timed(steps, "reconcile_full_ledger", lambda: _reconcile(kafka, ledger, prices, start, end,
                                                                                  repair=False))
@@ -109,6 +116,7 @@ async def run(settings: Settings, n: int, report: Callable[[str], None]) -> dict
             "ledger_rows_per_second_repair": round(n / steps["repair"]),
         }
     finally:
+        await redis.aclose()
         await asyncio.to_thread(cluster.shutdown)
         admin = make_admin(kafka)
         await admin.start()
@@ -120,9 +128,9 @@ async def run(settings: Settings, n: int, report: Callable[[str], None]) -> dict
 
 
 async def _reconcile(kafka: Any, ledger: Ledger, prices: PriceBook, start: datetime, end: datetime, *,
-                     repair: bool) -> Any:
+                     repair: bool, spend: SpendBook | None = None) -> Any:
     replay = await replay_usage(kafka, start, end)
-    return await reconcile(ledger, prices, replay, start, end, repair=repair)
+    return await reconcile(ledger, prices, replay, start, end, repair=repair, spend=spend)
 
 
 def _time(call: Callable[[], object]) -> float:

@@ -294,3 +294,26 @@ def limiter(
                      f" / {cpu.get('load client', 0):.1f}")
     console.print(http)
     console.print(f"[green]saved[/green] {save('limiter', result)}")
+
+
+@app.command("priority")
+def priority(
+    slots: int = typer.Option(8, min=1, help="Requests the (synthetic) engine runs at once."),
+    backlog: int = typer.Option(64, min=1, help="Free-tier requests sent at once."),
+    urgent: int = typer.Option(12, min=1, help="Enterprise requests sent one every 0.5 s during the backlog."),
+) -> None:
+    """Priority classes under saturation: the queue wait of enterprise and free requests, gate on and off."""
+    from bench.priority import run
+
+    result = asyncio.run(run(load_settings(), slots=slots, backlog=backlog, urgent=urgent,
+                             say=lambda msg: console.print(f"[dim]•[/dim] {msg}")))
+    table = Table(title=f"queue wait under saturation ({slots} slots, {backlog} free queued, {urgent} enterprise)")
+    for column in ("gate", "class", "completed", "TTFT p50 s", "TTFT p99 s"):
+        table.add_column(column)
+    for run_ in result["runs"]:
+        for name in ("enterprise", "free"):
+            row = run_[name]
+            table.add_row("on" if run_["gate"] else "off", name, f"{row['completed']}/{row['sent']}",
+                          f"{row['ttft_s']['p50']:.2f}", f"{row['ttft_s']['p99']:.2f}")
+    console.print(table)
+    console.print(f"[green]saved[/green] {save('priority', result)}")

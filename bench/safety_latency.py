@@ -98,7 +98,8 @@ async def run(settings: Settings, requests: int, concurrency: int, streams: int)
                     usage = chunk.usage
             halted.append((rid, finish, usage.completion_tokens if usage else None))
     submitted = await _timestamps(settings, TOPICS.requests_submitted, since_ms, ChatRequest)
-    admitted = await _timestamps(settings, TOPICS.requests_admitted, since_ms, ChatRequest)
+    admitted = {rid: found for queue in TOPICS.work_queues()
+                for rid, found in (await _timestamps(settings, queue, since_ms, ChatRequest)).items()}
     delays = [(admitted[r][0] - submitted[r][0]) / 1000 for r in ids if r in submitted and r in admitted]
     verdicts = await _timestamps(settings, TOPICS.verdicts, since_ms, SafetyVerdict,
                                  keep=lambda v: v.stage is SafetyStage.POST)

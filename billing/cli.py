@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from billing.export import write
-from billing.ledger import Ledger, Totals, parse_instant
+from billing.ledger import Ledger, Totals, parse_instant, utc
 from billing.prices import Price, PriceLead, PriceRefused, PriceStore
 from billing.reconcile import ACTIONS, FINAL, Report, reconcile
 from billing.replay import UsageReplay, replay_usage
@@ -30,7 +30,7 @@ from runtime.cassandra_client import connect_async
 from runtime.redis_client import make_redis
 from runtime.retry import TRANSIENT
 from runtime.settings import Settings, load_settings
-from runtime.spend import Spend, SpendBook, month_of, to_nanos, usd
+from runtime.spend import Spend, SpendBook, ledger_nanos, month_of, usd
 
 T = TypeVar("T")
 app = typer.Typer(help="Billing: reconcile, export, prices.", no_args_is_help=True)
@@ -125,11 +125,20 @@ def show_repairs(report: Report) -> None:
 
 async def _reconcile(start: datetime, end: datetime, repair: bool, org: str | None) -> Report:
     settings = load_settings()
+    redis = make_redis(settings.redis)
+    try:
+        return await _reconcile_with(settings, SpendBook(redis, settings.redis), start, end, repair, org)
+    finally:
+        await redis.aclose()
+
+
+async def _reconcile_with(settings: Settings, spend: SpendBook, start: datetime, end: datetime, repair: bool,
+                          org: str | None) -> Report:
     async with _cassandra(settings) as session:
         ledger = await Ledger.open(session, settings.cassandra.keyspace)
         prices = await (await _store(session, settings)).load()
         replay = await _replay(settings, start, end)
-        report = await reconcile(ledger, prices, replay, start, end, repair=repair, org_id=org)
+        report = await reconcile(ledger, prices, replay, start, end, repair=repair, org_id=org, spend=spend)
         if repair and (report.repaired or report.skipped):
             show(report)
             show_repairs(report)
@@ -238,12 +247,15 @@ async def _spend(org: str, month: str, repair: bool) -> tuple[Spend, int, Spend 
         async with _cassandra(settings) as session:
             ledger = await Ledger.open(session, settings.cassandra.keyspace)
             rows = await ledger.rows_for_org(org, first, after)
-        ledger_nanos = to_nanos(sum((Decimal(r["cost"]) for r in rows), Decimal(0)))
+        billed = ledger_nanos(Decimal(r["cost"]) for r in rows)
         before = await book.read(org, month)
-        if repair and before.billed_nanos != ledger_nanos:
-            await book.set_billed(org, month, ledger_nanos)
-            return before, ledger_nanos, await book.read(org, month)
-        return before, ledger_nanos, None
+        if repair and before.billed_nanos != billed:
+            # Charged again, row by row: what billing charged already counts once (its mark), what Redis lost
+            # (sums and marks alike) is charged now, so a redelivery later is not counted twice either.
+            await book.charge_all((str(r["request_id"]), org, utc(r["requested_at"]), Decimal(r["cost"]))
+                                  for r in rows)
+            return before, billed, await book.read(org, month)
+        return before, billed, None
     finally:
         await redis.aclose()
 
@@ -252,8 +264,8 @@ async def _spend(org: str, month: str, repair: bool) -> tuple[Spend, int, Spend 
 def spend_command(
     org: str = typer.Argument(..., help="The organisation."),
     month: str | None = typer.Option(None, help="YYYY-MM (UTC; default: this month)."),
-    repair: bool = typer.Option(False, "--repair", help="Set the billed spend admission checks budgets against to "
-                                "the ledger's sum (after Redis lost its data). Holds of requests in flight are kept."),
+    repair: bool = typer.Option(False, "--repair", help="Charge every ledger row of the month to the spend again "
+                                "(after Redis lost its data): rows already charged count once; holds are kept."),
 ) -> None:
     """An org's monthly spend as admission sees it (Redis: billed + holds in flight) against the ledger's sum;
     exit 1 when they disagree (and it was not repaired)."""

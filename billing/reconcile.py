@@ -33,6 +33,7 @@ from typing import Literal
 from billing.ledger import Ledger, LedgerRow, Totals, utc
 from billing.prices import Price, PriceBook, UnknownPrice
 from billing.replay import UsageReplay
+from runtime.spend import SpendBook
 
 USAGE_FIELDS = ("org_id", "key_id", "tier", "model", "prompt_tokens", "completion_tokens", "cached_tokens",
                 "finish_reason", "attempt", "requested_at", "finished_at")
@@ -175,20 +176,30 @@ def compare(expected: dict[str, LedgerRow], by_day: list[dict[str, object]], by_
     return found
 
 
-async def _apply(ledger: Ledger, repair: Repair) -> bool:
+async def _apply(ledger: Ledger, spend: SpendBook | None, repair: Repair) -> bool:
+    """Fix one row; what it bills is charged to its org's monthly spend too (budgets see what billing charges)."""
+    row = repair.row
     if repair.action == "insert":
-        await ledger.record(repair.row)  # if not exists: a processor that billed it meanwhile wins
+        winner, _ = await ledger.record(row)  # if not exists: a processor that billed it meanwhile wins
+        if spend is not None:
+            await spend.charge(winner.request_id, winner.org_id, winner.requested_at, winner.cost)
         return True
     if repair.action == "correct":
-        return await ledger.correct(repair.row)
-    await ledger.write_views(repair.row)
+        if not await ledger.correct(row):
+            return False
+        if spend is not None:  # the row's cost changed: the spend takes the difference
+            await spend.charge(row.request_id, row.org_id, row.requested_at, row.cost, correction=True)
+        return True
+    await ledger.write_views(row)
     return True
 
 
 async def reconcile(ledger: Ledger, prices: PriceBook, replay: UsageReplay, start: datetime, end: datetime, *,
-                    repair: bool, org_id: str | None = None) -> Report:
+                    repair: bool, org_id: str | None = None, spend: SpendBook | None = None) -> Report:
     """Diff (and with ``repair`` fix what may be fixed, see the module docstring) the ledger for the range;
-    ``org_id`` limits both sides to one org."""
+    ``org_id`` limits both sides to one org. A repair charges what it bills to ``spend`` (required with it)."""
+    if repair and spend is None:
+        raise ValueError("a repair bills rows: it needs the spend book to charge them to")
     if org_id is not None:
         replay = replay.only_org(org_id)
     expected, unpriced = expected_rows(replay, prices)
@@ -206,7 +217,7 @@ async def reconcile(ledger: Ledger, prices: PriceBook, replay: UsageReplay, star
         async def fix(found: Discrepancy) -> bool:
             assert found.repair is not None
             async with semaphore:
-                return await _apply(ledger, found.repair)
+                return await _apply(ledger, spend, found.repair)
 
         done = await asyncio.gather(*(fix(d) for d in fixable))
         await ledger.flush_dirty()

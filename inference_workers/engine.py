@@ -33,6 +33,7 @@ def engine_args(model: ModelSettings, engine: EngineSettings) -> dict[str, Any]:
         "load_format": eff.load_format,
         "seed": eff.seed,
         "disable_log_stats": True,
+        "scheduling_policy": eff.scheduling_policy,
         # One process fewer: the model runs inside the engine-core process (single device).
         "distributed_executor_backend": "uni",
     }
@@ -99,16 +100,18 @@ class VllmEngine:
             output_kind=RequestOutputKind.DELTA,
         )
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
-                       ) -> AsyncGenerator[EngineDelta, None]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec, *,
+                       priority: int = 0) -> AsyncGenerator[EngineDelta, None]:
         from vllm.inputs import TokensPrompt
         from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDead
 
         params = self.sampling_params(sampling)
         prompt_tokens = len(prompt_token_ids)
         try:
+            # vLLM schedules a lower value first; it refuses a priority under the fcfs policy
+            ranked = {"priority": priority} if self._args.get("scheduling_policy") == "priority" else {}
             async for out in self._llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids), params,
-                                                request_id):
+                                                request_id, **ranked):
                 completion = out.outputs[0]
                 yield EngineDelta(
                     token_ids=list(completion.token_ids),

@@ -149,8 +149,10 @@ class Intake:
     def __init__(self, *, engine: EngineClient, worker_id: str, claims: ClaimsT, sink: TokenSinkT,
                  finalizer: FinalizerT, offsets: OffsetTracker, prefix: PrefixReaderT, max_in_flight: int,
                  dead_letters: DeadLetters | None = None, retry_delay_s: float = 1.0,
-                 give_up_s: float = 60.0) -> None:
+                 give_up_s: float = 60.0, priority_of: Callable[[TopicPartition], int] | None = None) -> None:
         self._engine = engine
+        #: the engine priority of a request from a partition: its work queue's class rank (0 highest)
+        self._priority_of = priority_of or (lambda _tp: 0)
         self._worker_id = worker_id
         self._claims = claims
         self._sink = sink
@@ -464,8 +466,8 @@ class Intake:
         job.ran = True
         engine_id = f"{request.request_id}#{job.attempt}"
         # NOTE: closed on every exit, so the engine aborts the request at once (not when the generator is collected).
-        async with contextlib.aclosing(self._engine.generate(engine_id, steps.prompt_token_ids,
-                                                             steps.sampling)) as deltas:
+        async with contextlib.aclosing(self._engine.generate(engine_id, steps.prompt_token_ids, steps.sampling,
+                                                             priority=self._priority_of(job.source))) as deltas:
             return await self._relay_deltas(job, deltas, replay)
 
     async def _relay_deltas(self, job: Job, deltas: AsyncGenerator[EngineDelta, None], replay: ReplayFilter | None

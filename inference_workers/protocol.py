@@ -41,10 +41,10 @@ class EngineClient(Protocol):
         """How many requests the engine batches at once; the worker never admits more."""
         ...
 
-    def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
-                 ) -> AsyncGenerator[EngineDelta, None]:
+    def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec, *,
+                 priority: int = 0) -> AsyncGenerator[EngineDelta, None]:
         """Stream deltas until one carries a finish reason. Cancelling the iterating task aborts the request
-        in the engine."""
+        in the engine. ``priority``: its class's rank (0 highest), for an engine that schedules by priority."""
         ...
 
     @property

@@ -63,8 +63,8 @@ class SyntheticEngine:
         return {"kind": "synthetic", "tokens_per_s_per_request": 1 / self._interval,
                 "max_num_seqs": self._max_num_seqs}
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
-                       ) -> AsyncGenerator[EngineDelta, None]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec, *,
+                       priority: int = 0) -> AsyncGenerator[EngineDelta, None]:
         prompt = len(prompt_token_ids)
         context = list(prompt_token_ids)
         for step in range(sampling.max_tokens):

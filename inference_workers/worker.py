@@ -14,7 +14,7 @@ from contextlib import AsyncExitStack
 from functools import partial
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 
 from inference_workers.admin import admin_server, create_admin_app
 from inference_workers.assignor import StickyLoadAssignor
@@ -25,6 +25,7 @@ from inference_workers.intake import Intake
 from inference_workers.offsets import CommittedState, OffsetTracker, decode_state
 from inference_workers.prefix import PrefixReader
 from inference_workers.presence import GatewayPresence
+from inference_workers.priority import PriorityGate
 from inference_workers.protocol import EngineClient
 from inference_workers.rebalance import RequestRebalanceListener
 from inference_workers.transactions import PartitionTransactions
@@ -36,7 +37,7 @@ from runtime.redis_client import make_redis
 from runtime.settings import Settings
 from schemas.codec import codec_for
 from schemas.events import ChatRequest
-from schemas.topics import TOPICS
+from schemas.topics import PRIORITIES, TOPICS
 
 log = logging.getLogger(__name__)
 
@@ -124,10 +125,13 @@ class Worker:
             )
             self._finalizer = finalizer
             commit_loop = asyncio.create_task(finalizer.run(), name="finalizer")
+            queues = {kafka.topic(TOPICS.admitted(p).name): p for p in PRIORITIES}
+            ranks = {p: rank for rank, p in enumerate(PRIORITIES)}
             intake = Intake(engine=self.engine, worker_id=worker.instance_id, claims=claims,
                             sink=TokenSink(delta_producer, token_topic), finalizer=finalizer, offsets=offsets,
                             prefix=prefix, max_in_flight=self.engine.max_num_seqs, dead_letters=dead_letters,
-                            retry_delay_s=worker.admission_retry_s, give_up_s=worker.finalize_give_up_s)
+                            retry_delay_s=worker.admission_retry_s, give_up_s=worker.finalize_give_up_s,
+                            priority_of=lambda tp: ranks.get(queues.get(tp.topic, ""), 0))
             self._intake = intake
 
             control = ControlListener(kafka, kafka.topic(TOPICS.control.name), worker.control_lookback_s,
@@ -148,16 +152,24 @@ class Worker:
                                                 partial(group_generation, consumer), on_expelled=assignor.forget)
             finalizer.set_partition_lost(listener.partition_lost)
             self._listener = listener
-            consumer.subscribe([kafka.topic(TOPICS.requests_admitted.name)], listener=listener)
+            consumer.subscribe(list(queues), listener=listener)
             await consumer.start()
+            gate = PriorityGate(consumer, queues, ranks, min_share=worker.priority_min_share,
+                                refresh_s=worker.priority_refresh_s)
+
+            depth_loop = asyncio.create_task(gate.report_depth(), name="queue-depth")
+
+            async def handle(request: ChatRequest, record: ConsumerRecord[bytes, bytes]) -> None:
+                await intake.handle(request, record)
+                gate.admitted(TopicPartition(record.topic, record.partition))
 
             admin = admin_server(create_admin_app(self.problems, self.state), worker.admin_host, worker.admin_port)
             admin_task = asyncio.create_task(admin.serve(), name="admin")
             consumer_stop = asyncio.Event()
             self._consumer_task = asyncio.create_task(
-                consume(consumer, codec_for(ChatRequest), intake.handle, stop=consumer_stop,
+                consume(consumer, codec_for(ChatRequest), handle, stop=consumer_stop,
                         capacity=intake.capacity, room_freed=intake.room_freed, accepts=intake.accepts,
-                        undecodable=intake.undecodable),
+                        undecodable=intake.undecodable, select=gate.select if worker.priority_classes else None),
                 name="request-consumer",
             )
             log.info("worker ready", extra={"group": group, "max_in_flight": self.engine.max_num_seqs})
@@ -168,13 +180,14 @@ class Worker:
                 consumer_stop.set()
                 await asyncio.gather(self._consumer_task, return_exceptions=True)
                 presence_loop.cancel()
+                depth_loop.cancel()
                 if not intake.fatal.done():
                     await intake.drain(worker.drain_timeout_s)
                 if not commit_loop.done():
                     await finalizer.stop()
                 await consumer.stop()
                 admin.should_exit = True
-                await asyncio.gather(admin_task, presence_loop, return_exceptions=True)
+                await asyncio.gather(admin_task, presence_loop, depth_loop, return_exceptions=True)
 
     async def _until_stop_or_failure(self, intake: Intake, commit_loop: asyncio.Task[None]) -> None:
         assert self._consumer_task is not None

@@ -209,6 +209,7 @@ async def consume(
     on_batch_end: Callable[[], Awaitable[None]] | None = None,
     accepts: Callable[[TopicPartition], bool] | None = None,
     undecodable: Undecodable | None = None,
+    select: Callable[[], Awaitable[list[TopicPartition]]] | None = None,
     poll_timeout_ms: int = 100,
 ) -> None:
     """Poll ``consumer`` until ``stop`` is set; decode each record and await ``handle(event, record)``.
@@ -223,6 +224,8 @@ async def consume(
     * A handler raising :class:`RetryLater` rewinds every partition to its first unhandled record and backs off.
     * Records that do not decode are counted and passed to ``undecodable`` (dead-lettering, telling a waiting
       client), else logged and skipped: one bad record never stops a service.
+    * ``select()`` (optional) names the partitions to fetch next, in the order their records are handled (priority
+      classes); the other assigned partitions stay paused.
     """
     while not stop.is_set():
         # 1. Backpressure: fetch only what the caller can take.
@@ -241,9 +244,19 @@ async def consume(
             for tp, records in (await consumer.getmany(timeout_ms=0)).items():
                 _rewind(consumer, tp, records[0].offset)
             continue
-        consumer.resume(*consumer.paused())
+        order: list[TopicPartition] | None = None
+        if select is not None:
+            order = await select()
+            wanted = set(order)
+            consumer.pause(*(consumer.assignment() - wanted))
+            consumer.resume(*(wanted & consumer.paused()))
+        else:
+            consumer.resume(*consumer.paused())
         # 2. Fetch.
         batches = await consumer.getmany(timeout_ms=poll_timeout_ms, max_records=room)
+        if order is not None:
+            rank = {tp: i for i, tp in enumerate(order)}
+            batches = dict(sorted(batches.items(), key=lambda item: rank.get(item[0], len(rank))))
         # 3. Decode and hand over, in partition order.
         backoff = await _handle_batches(consumer, codec, handle, batches, accepts, undecodable)
         if backoff:

@@ -26,7 +26,7 @@ from redis.asyncio import Redis
 
 from runtime.redis_client import key as redis_key
 from runtime.settings import RedisSettings
-from runtime.spend import KEEP_S, BudgetHold, spend_keys
+from runtime.spend import KEEP_S, SWEEP, BudgetHold, spend_keys
 
 # KEYS: 1-3 the key's requests bucket, tokens bucket, in-flight set; 4-6 the org's; 7 the reservation;
 #       8-9 the key's and the org's settled-token counters (kept in the reservation for whoever settles it);
@@ -38,7 +38,7 @@ from runtime.spend import KEEP_S, BudgetHold, spend_keys
 #         {0, requests remaining, requests reset ms, tokens remaining, tokens reset ms,
 #          limit ('budget'|'requests'|'tokens'|'concurrent'), scope ('key'|'org'), retry after ms (-1: never),
 #          limit value}.
-_ADMIT = """
+_ADMIT = SWEEP + """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local rid, cost, lease = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -63,13 +63,11 @@ local function refuse(limit, scope, wait, value)
   return {0, math.floor(levels[r]), reset(r, 0), math.floor(levels[k]), reset(k, 0), limit, scope, wait, value}
 end
 if budget >= 0 then
+  -- the budget in force, for the alerts billing judges (a refused admission records a lowered one too)
+  redis.call('HSET', KEYS[10], 'budget', ARGV[11], 'frac', ARGV[13])
+  redis.call('EXPIRE', KEYS[10], ARGV[14])
   -- holds nobody ended (their requests were lost) lapse; a few per admission keeps this O(1)
-  for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[12], '-inf', now, 'LIMIT', 0, 16)) do
-    local held = redis.call('HGET', KEYS[11], id)
-    if held then redis.call('HINCRBY', KEYS[10], 'reserved', -tonumber(held)) end
-    redis.call('HDEL', KEYS[11], id)
-    redis.call('ZREM', KEYS[12], id)
-  end
+  sweep(KEYS[10], KEYS[11], KEYS[12], now, 16)
   local s = redis.call('HMGET', KEYS[10], 'billed', 'reserved')
   if (tonumber(s[1]) or 0) + (tonumber(s[2]) or 0) + hold > budget then return refuse('budget', 'org', -1, budget) end
 end
@@ -96,9 +94,10 @@ end
 redis.call('HSET', KEYS[7], 'tokens', cost, 'tk', KEYS[2], 'to', KEYS[5], 'capk', ARGV[5], 'capo', ARGV[8],
            'fk', KEYS[3], 'fo', KEYS[6], 'sk', KEYS[8], 'so', KEYS[9])
 redis.call('EXPIRE', KEYS[7], ARGV[10])
-if budget >= 0 then
+if budget < 0 then
+  redis.call('HDEL', KEYS[10], 'budget', 'frac')  -- no budget (any more): no budget alerts
+else
   redis.call('HINCRBY', KEYS[10], 'reserved', hold)
-  redis.call('HSET', KEYS[10], 'budget', ARGV[11], 'frac', ARGV[13])
   redis.call('HSET', KEYS[11], rid, hold)
   redis.call('ZADD', KEYS[12], now + tonumber(ARGV[10]) * 1000, rid)
   for i = 10, 12 do redis.call('EXPIRE', KEYS[i], ARGV[14]) end
@@ -133,6 +132,9 @@ if h['bs'] and ARGV[3] == '0' then
   local held = redis.call('HGET', h['bh'], ARGV[1])
   if held then redis.call('HINCRBY', h['bs'], 'reserved', -tonumber(held)) end
   redis.call('HDEL', h['bh'], ARGV[1])
+  redis.call('ZREM', h['be'], ARGV[1])
+elseif h['bs'] then
+  -- billed: the hold is no longer a lost request's; it lasts until billing charges the cost
   redis.call('ZREM', h['be'], ARGV[1])
 end
 redis.call('DEL', KEYS[1])
@@ -250,7 +252,8 @@ class RateLimiter:
             request_id, tokens, self._lease_ms, key_limits.requests_per_minute, key_limits.tokens_per_minute,
             key_limits.max_concurrent, org_limits.requests_per_minute, org_limits.tokens_per_minute,
             org_limits.max_concurrent, self._ttl,
-            budget.budget_nanos if budget else -1, budget.hold_nanos if budget else 0,
+            budget.budget_nanos if budget and budget.budget_nanos is not None else -1,
+            budget.hold_nanos if budget else 0,
             budget.alert_fraction if budget else 1, KEEP_S]
         answer = await self._admit(keys=keys, args=args)
         window = Window(min(key_limits.requests_per_minute, org_limits.requests_per_minute), int(answer[1]),

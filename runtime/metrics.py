@@ -64,6 +64,9 @@ WORKER_SKIPPED = Counter(
     "kns_worker_requests_skipped_total", "Request records not generated, by reason", ["reason"]
 )
 WORKER_IN_FLIGHT = Gauge("kns_worker_requests_in_flight", "Requests generating in the engine")
+WORKER_QUEUE_DEPTH = Gauge(
+    "kns_worker_queue_depth", "Requests waiting in this worker's partitions of each priority class's work queue "
+    "(end offset - position); sum over workers for the class's queue depth", ["priority"])
 WORKER_FINISHED = Counter(
     "kns_worker_requests_finished_total", "Requests finished, by finish reason", ["finish_reason"]
 )

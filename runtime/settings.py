@@ -98,6 +98,8 @@ class EngineSettings(BaseModel):
     max_num_seqs: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.85
+    #: "priority": inside the batch, a higher priority class's requests are scheduled first (and may preempt)
+    scheduling_policy: Literal["fcfs", "priority"] = "priority"
     enable_prefix_caching: bool = True
     enforce_eager: bool | None = None
     max_num_batched_tokens: int | None = None
@@ -188,6 +190,13 @@ class WorkerSettings(BaseModel):
     # They are billed for what was emitted when the gateway was last seen alive.
     presence_check_s: float = 1.0
     unattended_grace_s: float = 3.0
+    # Priority classes: while a higher class has requests waiting, a lower one's partitions are paused, except that
+    # each class with requests waiting still gets this share of the admissions (its starvation guard). Off: every
+    # class's partitions are fetched alike (in arrival order per partition; bench priority's baseline).
+    priority_classes: bool = True
+    priority_min_share: float = Field(default=0.1, ge=0, le=0.5)
+    # How often the waiting requests per class are looked up (end offsets) while partitions are paused.
+    priority_refresh_s: float = Field(default=0.02, gt=0)
 
     @model_validator(mode="after")
     def _default_instance(self) -> WorkerSettings:
@@ -280,15 +289,17 @@ class TierPolicy(BaseModel):
     when_redis_down: Literal["closed", "local"] = "closed"
     #: a request of the tier must start generating within this long (None: ``gateway.queue_deadline_s``)
     queue_deadline_s: float | None = Field(default=None, gt=0)
+    #: the priority class its requests queue in (one admitted-request topic per class, ``schemas/topics.py``)
+    priority: Literal["high", "standard", "low"] = "standard"
 
 
 _TIER_DEFAULTS: dict[str, dict[str, object]] = {
     "free": {"requests_per_minute": 30, "tokens_per_minute": 20_000, "max_concurrent": 4, "queue_deadline_s": 30.0,
-             "when_redis_down": "closed"},
+             "when_redis_down": "closed", "priority": "low"},
     "plus": {"requests_per_minute": 600, "tokens_per_minute": 500_000, "max_concurrent": 64,
-             "when_redis_down": "local"},
+             "when_redis_down": "local", "priority": "standard"},
     "enterprise": {"requests_per_minute": 6_000, "tokens_per_minute": 5_000_000, "max_concurrent": 1_000,
-                   "when_redis_down": "local"},
+                   "when_redis_down": "local", "priority": "high"},
 }
 
 

@@ -13,8 +13,15 @@ The billing processor, once the ledger has the request's row, *charges* it: the 
 and the request's hold removed from ``reserved``, in one script made idempotent by a per-request mark, so a
 redelivered usage event never counts twice. A request that ends unbilled (refused by the safety filter, past its
 queue deadline, never produced) has its hold dropped by whoever settles it. A hold nobody ended (its request was
-lost) lapses after the reservation TTL. So ``billed`` is the ledger's sum and ``billed + reserved`` bounds what
-billing will charge.
+lost) lapses after the reservation TTL; the hold of a request its worker settled as billed does not lapse: it
+waits for billing's charge however late that comes (a dead-lettered usage event keeps it until an operator's
+repair bills it). So ``billed`` is the ledger's sum and ``billed + reserved`` bounds what billing will charge.
+Every admission records the org's current budget (or its absence) in ``…:sum``, refused ones included, so the
+alerts a charge raises are judged against the budget in force.
+
+After Redis lost its data, ``kns billing spend --repair`` charges every ledger row of the month again: the marks
+make that safe while billing runs (a row charged twice is counted once), and it restores the marks a redelivery
+needs. Reconcile's repair charges what it bills (a corrected row's cost replaces what was charged for it).
 
 Nano-dollars, because a request to a small model costs a few micro-dollars: the price table's rates (dollars per
 million tokens, to the cent) make every ledger cost a whole number of nano-dollars, so ``billed`` equals the
@@ -24,6 +31,7 @@ admission script compares them as doubles, exact up to 2**53 nano-dollars ($9M a
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import ROUND_HALF_UP, Decimal
@@ -45,6 +53,11 @@ def to_nanos(usd: Decimal) -> int:
 
 def usd(nanos: int) -> Decimal:
     return Decimal(nanos) / NANOS
+
+
+def ledger_nanos(costs: Iterable[Decimal]) -> int:
+    """The ledger's sum as the spend counts it: each row's cost rounded to the nano-dollar (half up), then added."""
+    return sum(to_nanos(cost) for cost in costs)
 
 
 def nanos_of_micros(micros: int) -> int:
@@ -74,10 +87,11 @@ def spend_keys(settings: RedisSettings, org_id: str, month: str) -> SpendKeys:
 
 @dataclass(frozen=True)
 class BudgetHold:
-    """What admission checks a request against: its org's budget, and the most the request may cost."""
+    """What admission checks a request against: its org's budget (None: it has none, and keeps no hold), and the
+    most the request may cost."""
 
     month: str
-    budget_nanos: int
+    budget_nanos: int | None
     hold_nanos: int
     alert_fraction: float
 
@@ -101,20 +115,39 @@ class Charged:
         if budget is None:
             return []
         due = []
-        if self.billed_nanos >= budget * self.alert_fraction and self.threshold_alerted_for != budget:
+        threshold = Decimal(budget) * Decimal(str(self.alert_fraction))  # exact: no float rounding at the line
+        if self.billed_nanos >= threshold and self.threshold_alerted_for != budget:
             due.append("threshold")
         if self.billed_nanos >= budget and self.exhausted_alerted_for != budget:
             due.append("exhausted")
         return due
 
 
+#: Lua: end the holds of ``sum``/``holds``/``expiry`` whose time is up (at most ``limit`` of them)
+SWEEP = """
+local function sweep(sum, holds, expiry, now, limit)
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', expiry, '-inf', now, 'LIMIT', 0, limit)) do
+    local held = redis.call('HGET', holds, id)
+    if held then redis.call('HINCRBY', sum, 'reserved', -tonumber(held)) end
+    redis.call('HDEL', holds, id)
+    redis.call('ZREM', expiry, id)
+  end
+end
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+"""
+
 # KEYS: 1-3 the org-month's sum, holds, expiry; 4 the request's charge mark.
-# ARGV: 1 request id, 2 cost nanos, 3 mark ttl s, 4 keep s.
+# ARGV: 1 request id, 2 cost nanos, 3 mark ttl s, 4 keep s, 5 '1': a correction (the cost replaces the one charged).
 # Returns {applied, billed, budget or -1, alert fraction, threshold alerted for or -1, exhausted alerted for or -1}.
-_CHARGE = """
+_CHARGE = SWEEP + """
 local applied = 0
-if redis.call('SET', KEYS[4], ARGV[2], 'NX', 'EX', ARGV[3]) then
+local before = redis.call('GET', KEYS[4])
+if not before then
   applied = 1
+  redis.call('SET', KEYS[4], ARGV[2], 'EX', ARGV[3])
   redis.call('HINCRBY', KEYS[1], 'billed', ARGV[2])
   local held = redis.call('HGET', KEYS[2], ARGV[1])
   if held then
@@ -122,10 +155,22 @@ if redis.call('SET', KEYS[4], ARGV[2], 'NX', 'EX', ARGV[3]) then
     redis.call('HDEL', KEYS[2], ARGV[1])
     redis.call('ZREM', KEYS[3], ARGV[1])
   end
-  for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[4]) end
+elseif ARGV[5] == '1' and before ~= ARGV[2] then
+  applied = 1
+  redis.call('SET', KEYS[4], ARGV[2], 'EX', ARGV[3])
+  redis.call('HINCRBY', KEYS[1], 'billed', tonumber(ARGV[2]) - tonumber(before))
 end
+sweep(KEYS[1], KEYS[2], KEYS[3], now_ms(), 16)
+if applied == 1 then for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[4]) end end
 local s = redis.call('HMGET', KEYS[1], 'billed', 'budget', 'frac', 'alerted_threshold', 'alerted_exhausted')
 return {applied, s[1] or '0', s[2] or '-1', s[3] or '1', s[4] or '-1', s[5] or '-1'}
+"""
+
+# KEYS: the org-month's sum, holds, expiry. Returns {billed, reserved, holds} after ending the holds whose time is up.
+_READ = SWEEP + """
+sweep(KEYS[1], KEYS[2], KEYS[3], now_ms(), 10000)
+local s = redis.call('HMGET', KEYS[1], 'billed', 'reserved')
+return {s[1] or '0', s[2] or '0', redis.call('HLEN', KEYS[2])}
 """
 
 _MARK_ALERTED = """
@@ -150,35 +195,41 @@ class SpendBook:
         self._mark_ttl_s = mark_ttl_s
         self._charge = redis.register_script(_CHARGE)
         self._mark_alerted = redis.register_script(_MARK_ALERTED)
+        self._read = redis.register_script(_READ)
 
     def keys(self, org_id: str, month: str) -> SpendKeys:
         return spend_keys(self._settings, org_id, month)
 
-    async def charge(self, request_id: str, org_id: str, requested_at: datetime, cost: Decimal) -> Charged:
-        """Bill one request's ledger cost into its org-month (once per request id, however often called)."""
+    async def charge(self, request_id: str, org_id: str, requested_at: datetime, cost: Decimal, *,
+                     correction: bool = False) -> Charged:
+        """Bill one request's ledger cost into its org-month, once per request id however often called (a
+        ``correction``, reconcile's repair of a row's cost, replaces what was charged for it)."""
         keys = self.keys(org_id, month_of(requested_at))
         mark = redis_key(self._settings, "spend", "charged", request_id)
         answer = await self._charge(keys=[*keys.all(), mark],
-                                    args=[request_id, to_nanos(cost), self._mark_ttl_s, KEEP_S])
+                                    args=[request_id, to_nanos(cost), self._mark_ttl_s, KEEP_S, int(correction)])
         budget, threshold, exhausted = (int(answer[i]) for i in (2, 4, 5))
         return Charged(bool(int(answer[0])), int(answer[1]), None if budget < 0 else budget, float(answer[3]),
                        None if threshold < 0 else threshold, None if exhausted < 0 else exhausted)
+
+    async def charge_all(self, rows: Iterable[tuple[str, str, datetime, Decimal]], chunk: int = 500) -> int:
+        """Charge many (request id, org, requested at, cost) in pipelines; how many were not charged before."""
+        rows = list(rows)
+        applied = 0
+        for i in range(0, len(rows), chunk):
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for request_id, org_id, at, cost in rows[i:i + chunk]:
+                    keys = self.keys(org_id, month_of(at))
+                    mark = redis_key(self._settings, "spend", "charged", request_id)
+                    await self._charge(keys=[*keys.all(), mark],
+                                       args=[request_id, to_nanos(cost), self._mark_ttl_s, KEEP_S, 0], client=pipe)
+                applied += sum(int(answer[0]) for answer in await pipe.execute())
+        return applied
 
     async def alerted(self, org_id: str, month: str, kind: str, budget_nanos: int) -> None:
         await self._mark_alerted(keys=[self.keys(org_id, month).total], args=[kind, budget_nanos])
 
     async def read(self, org_id: str, month: str) -> Spend:
-        keys = self.keys(org_id, month)
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hmget(keys.total, "billed", "reserved")
-            pipe.hlen(keys.holds)
-            (billed, reserved), holds = await pipe.execute()
-        return Spend(int(billed or 0), int(reserved or 0), int(holds))
-
-    async def set_billed(self, org_id: str, month: str, billed_nanos: int) -> None:
-        """Reconcile's repair: make ``billed`` what the ledger says (after Redis lost its data)."""
-        keys = self.keys(org_id, month)
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hset(keys.total, "billed", billed_nanos)
-            pipe.expire(keys.total, KEEP_S)
-            await pipe.execute()
+        """The org-month's spend, once the holds whose time is up have ended."""
+        billed, reserved, holds = await self._read(keys=self.keys(org_id, month).all())
+        return Spend(int(billed), int(reserved), int(holds))

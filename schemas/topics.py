@@ -58,7 +58,9 @@ class TopicSpec:
 @dataclass(frozen=True)
 class TopicMap:
     requests_submitted: TopicSpec
+    requests_admitted_high: TopicSpec
     requests_admitted: TopicSpec
+    requests_admitted_low: TopicSpec
     tokens: TopicSpec
     control: TopicSpec
     usage: TopicSpec
@@ -72,6 +74,19 @@ class TopicMap:
     def all(self) -> list[TopicSpec]:
         return [getattr(self, name) for name in self.__dataclass_fields__]
 
+    def admitted(self, priority: str) -> TopicSpec:
+        """The work queue of one priority class (``high``, ``standard``, ``low``)."""
+        return {"high": self.requests_admitted_high, "low": self.requests_admitted_low}.get(priority,
+                                                                                              self.requests_admitted)
+
+    def work_queues(self) -> list[TopicSpec]:
+        """Every class's work queue, highest first."""
+        return [self.admitted(p) for p in PRIORITIES]
+
+
+#: the priority classes, highest first
+PRIORITIES = ("high", "standard", "low")
+
 
 TOPICS = TopicMap(
     requests_submitted=TopicSpec(
@@ -84,6 +99,16 @@ TOPICS = TopicMap(
         consumers=("safety pre-filter", "abuse detector"),
         description="Every accepted chat request, before the safety pre-filter.",
     ),
+    requests_admitted_high=TopicSpec(
+        name="llm.requests.admitted.high.v1",
+        event=ChatRequest,
+        key="conversation_id, else request_id",
+        partitions=6,
+        retention_ms=7 * DAY_MS,
+        producers=("safety pre-filter", "gateway (pre-filter off)"),
+        consumers=("inference workers (group inference-workers)",),
+        description="Requests cleared for generation, priority class high (enterprise): drained first.",
+    ),
     requests_admitted=TopicSpec(
         name="llm.requests.admitted.v1",
         event=ChatRequest,
@@ -92,7 +117,19 @@ TOPICS = TopicMap(
         retention_ms=7 * DAY_MS,
         producers=("safety pre-filter", "gateway (pre-filter off)"),
         consumers=("inference workers (group inference-workers)",),
-        description="Requests cleared for generation; the workers' work queue.",
+        description="Requests cleared for generation, priority class standard (plus); the workers' work queue "
+                    "after the high class's.",
+    ),
+    requests_admitted_low=TopicSpec(
+        name="llm.requests.admitted.low.v1",
+        event=ChatRequest,
+        key="conversation_id, else request_id",
+        partitions=6,
+        retention_ms=7 * DAY_MS,
+        producers=("safety pre-filter", "gateway (pre-filter off)"),
+        consumers=("inference workers (group inference-workers)",),
+        description="Requests cleared for generation, priority class low (free): served after the higher "
+                    "classes, with a guaranteed minimum share of admissions.",
     ),
     tokens=TopicSpec(
         name="llm.tokens.emitted.v1",

@@ -33,7 +33,7 @@ from runtime.cassandra_client import connect_async
 from runtime.kafka_clients import read_to_end
 from runtime.redis_client import make_redis
 from runtime.settings import KafkaSettings, RedisSettings, Settings
-from runtime.spend import SpendBook, month_of, to_nanos, usd
+from runtime.spend import SpendBook, ledger_nanos, month_of, usd
 from schemas.codec import codec_for
 from schemas.events import ChatRequest, TokenEvent
 from schemas.topics import TOPICS
@@ -116,8 +116,8 @@ async def audit(scenario: str, settings: Settings, kafka: KafkaSettings, org_id:
     outcomes = Counter(s.outcome for s in streams)
     table.completed = outcomes.pop("completed", 0)
     table.failed = dict(outcomes)
-    requests = {e.request_id: e for *_, e, _ in await read_to_end(
-        kafka, kafka.topic(TOPICS.requests_admitted.name), codec_for(ChatRequest))}
+    requests = {e.request_id: e for queue in TOPICS.work_queues() for *_, e, _ in await read_to_end(
+        kafka, kafka.topic(queue.name), codec_for(ChatRequest))}
     by_request: dict[str, list[TokenEvent]] = {}
     for *_, event, _ in await read_to_end(kafka, kafka.topic(TOPICS.tokens.name), codec_for(TokenEvent),
                                           isolation="read_uncommitted"):
@@ -151,7 +151,7 @@ async def audit(scenario: str, settings: Settings, kafka: KafkaSettings, org_id:
     if redis is not None:
         table.spend_wiped = redis_wiped
         table.spend_minus_ledger_usd = str(usd(await _billed_spend(redis, org_id, rows)
-                                               - to_nanos(sum((r.cost for r in rows), Decimal(0)))))
+                                               - ledger_nanos(r.cost for r in rows)))
     return table
 
 

@@ -76,9 +76,14 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await relay.start()
         stack.push_async_callback(relay.stop)
 
-        # With the safety pre-filter on, requests go to it first; it forwards the admitted ones to the workers.
-        request_topic = TOPICS.requests_submitted if settings.safety.prefilter else TOPICS.requests_admitted
-        publisher = EventPublisher(producer, kafka, request_topic, TOPICS.control, settings.gateway.instance_id)
+        # With the safety pre-filter on, requests go to it first; it forwards the admitted ones to the work queue of
+        # their tier's priority class, where the gateway puts them itself when the pre-filter is off.
+        tiers = settings.tenancy.tiers
+        publisher = EventPublisher(
+            producer, kafka,
+            (lambda _: TOPICS.requests_submitted) if settings.safety.prefilter else
+            (lambda request: TOPICS.admitted(tiers.policy(request.tier).priority)),
+            TOPICS.control, settings.gateway.instance_id)
         tenancy_settings = settings.tenancy
         price_store = await asyncio.to_thread(PriceStore, session, settings.cassandra.keyspace,
                                               PriceLead(settings.processors.price_reload_s))

@@ -15,7 +15,6 @@ import logging
 from datetime import datetime
 
 from billing.prices import LivePrices, UnknownPrice
-from runtime.retry import TRANSIENT
 from runtime.spend import BudgetHold, month_of, nanos_of_micros, to_nanos
 from schemas.events import OrgRecord
 
@@ -42,14 +41,13 @@ class HoldPricer:
             await asyncio.sleep(self._reload_s)
             try:
                 await self._prices.reload()
-            except TRANSIENT as exc:  # the book in hand keeps sizing holds
+            except Exception as exc:  # the book in hand keeps sizing holds; this loop must not end
                 log.warning("price reload failed", extra={"reason": repr(exc)})
 
-    def hold(self, org: OrgRecord, model: str, prompt_tokens: int, max_tokens: int, at: datetime
-             ) -> BudgetHold | None:
-        """None when the org has no budget."""
+    def hold(self, org: OrgRecord, model: str, prompt_tokens: int, max_tokens: int, at: datetime) -> BudgetHold:
+        """An org without a budget gets a hold of nothing (its admission records that it has no budget)."""
         if org.monthly_budget_micros is None:
-            return None
+            return BudgetHold(month_of(at), None, 0, org.budget_alert_fraction)
         try:
             price = self._prices.book.price_at(model, at, vouch=False)
             nanos = to_nanos(price.cost(prompt_tokens, max_tokens, 0))

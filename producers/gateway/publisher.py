@@ -7,6 +7,7 @@ it has one, so the turns of a conversation land on one partition (one worker, a 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
@@ -22,10 +23,12 @@ from schemas.topics import TopicSpec
 
 
 class EventPublisher:
-    def __init__(self, producer: AIOKafkaProducer, kafka: KafkaSettings, request_topic: TopicSpec,
+    def __init__(self, producer: AIOKafkaProducer, kafka: KafkaSettings, route: Callable[[ChatRequest], TopicSpec],
                  control_topic: TopicSpec, gateway_id: str) -> None:
+        """``route``: the topic a request goes to (the safety pre-filter's, or its priority class's work queue)."""
         self._producer = producer
-        self._request_topic = kafka.topic(request_topic.name)
+        self._kafka = kafka
+        self._route = route
         self._control_topic = kafka.topic(control_topic.name)
         self._gateway_id = gateway_id
         self._requests = codec_for(ChatRequest)
@@ -35,7 +38,7 @@ class EventPublisher:
         """Produce the request and wait for the broker's ack: the request is durable when this returns."""
         try:
             await self._producer.send_and_wait(
-                self._request_topic,
+                self._kafka.topic(self._route(request).name),
                 value=self._requests.encode(request),
                 key=request.partition_key.encode(),
                 # Readable without the schema: a worker that cannot decode the body can still answer the client.

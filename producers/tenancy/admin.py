@@ -64,6 +64,8 @@ class _Input(BaseModel):
 
 #: the largest limit the rate limiter counts exactly (its Lua numbers are doubles)
 LIMIT_MAX = 2**53
+#: the largest monthly budget admission compares exactly (2**53 nano-dollars, runtime/spend.py)
+BUDGET_MAX_USD = Decimal(9_000_000)
 
 
 class Limits(_Input):
@@ -77,7 +79,7 @@ class OrgCreate(_Input):
     name: str = Field(default="", max_length=200)
     tier: str
     limits: Limits = Field(default_factory=Limits)
-    monthly_budget_usd: Decimal | None = Field(default=None, ge=0, max_digits=18, decimal_places=6)
+    monthly_budget_usd: Decimal | None = Field(default=None, ge=0, le=BUDGET_MAX_USD, decimal_places=6)
     budget_alert_fraction: float = Field(default=0.8, gt=0, le=1)
 
     @field_validator("org_id")
@@ -94,7 +96,7 @@ class OrgUpdate(_Input):
     name: str | None = Field(default=None, max_length=200)
     tier: str | None = None
     limits: Limits | None = None
-    monthly_budget_usd: Decimal | None = Field(default=None, ge=0, max_digits=18, decimal_places=6)
+    monthly_budget_usd: Decimal | None = Field(default=None, ge=0, le=BUDGET_MAX_USD, decimal_places=6)
     budget_alert_fraction: float | None = Field(default=None, gt=0, le=1)
 
 

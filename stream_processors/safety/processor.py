@@ -33,7 +33,7 @@ from runtime.settings import Settings
 from schemas.codec import codec_for
 from schemas.events import ChatRequest, ControlEvent, SafetyStage, SafetyVerdict, TokenEvent, utcnow
 from schemas.headers import reply_address
-from schemas.topics import TOPICS
+from schemas.topics import PRIORITIES, TOPICS
 from stream_processors.app import DeadLetters, build_app, raw_topic
 from stream_processors.safety.classifier import SafetyClassifier, Verdict, make_classifier
 from stream_processors.safety.policy import (
@@ -92,7 +92,9 @@ def build(settings: Settings) -> faust.App:
     classifier = make_classifier(settings.safety)
     redis = make_redis(settings.redis)
     dead = DeadLetters(app, settings, "safety")
-    admitted, tokens = raw_topic(app, settings, TOPICS.requests_admitted), raw_topic(app, settings, TOPICS.tokens)
+    tokens = raw_topic(app, settings, TOPICS.tokens)
+    work_queues = {p: raw_topic(app, settings, TOPICS.admitted(p)) for p in PRIORITIES}
+    tiers = settings.tenancy.tiers
     verdicts, control = raw_topic(app, settings, TOPICS.verdicts), raw_topic(app, settings, TOPICS.control)
     requests_codec, token_codec = codec_for(ChatRequest), codec_for(TokenEvent)
     verdict_codec, control_codec = codec_for(SafetyVerdict), codec_for(ControlEvent)
@@ -146,7 +148,8 @@ def build(settings: Settings) -> faust.App:
                                   partition=request.reply.partition)
                 await unbilled(request.request_id)
             else:
-                await admitted.send(key=event.key, value=event.value, headers=event.message.headers)
+                await work_queues[tiers.policy(request.tier).priority].send(
+                    key=event.key, value=event.value, headers=event.message.headers)
             SAFETY_PREFILTER_DELAY.observe(max(0.0, time.time() - event.message.timestamp))
             await send_verdict(verdict_event(request.request_id, SafetyStage.PRE, verdict, classifier.name,
                                              org_id=request.org_id, key_id=request.key_id))

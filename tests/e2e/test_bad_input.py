@@ -65,7 +65,7 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
 
 
 async def test_bad_requests_are_rejected_before_kafka(http: httpx.Client, stack: Settings) -> None:
-    topics = [stack.kafka.topic(t.name) for t in (TOPICS.requests_submitted, TOPICS.requests_admitted)]
+    topics = [stack.kafka.topic(t.name) for t in (TOPICS.requests_submitted, *TOPICS.work_queues())]
     before = [await end_offsets(stack.kafka, topic) for topic in topics]
     for name, raw, status, param, code in CASES:
         response = await asyncio.to_thread(http.post, "/chat/completions", content=raw,

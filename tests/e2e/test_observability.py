@@ -39,7 +39,8 @@ async def test_trace_context_and_logs_follow_the_request(client: openai.OpenAI, 
     request_id = raw.parse().id
     trace = raw.headers["traceparent"].split("-")[1]
     kafka = stack.kafka
-    requests = await read_topic(kafka, kafka.topic(TOPICS.requests_admitted.name), codec_for(ChatRequest))
+    requests = [row for queue in TOPICS.work_queues()
+                for row in await read_topic(kafka, kafka.topic(queue.name), codec_for(ChatRequest))]
     tokens = await read_topic(kafka, kafka.topic(TOPICS.tokens.name), codec_for(TokenEvent),
                               isolation="read_uncommitted")
 

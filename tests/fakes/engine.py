@@ -55,8 +55,8 @@ class FakeEngine:
     def generation(self, request_id: str) -> Generation:
         return next(g for g in reversed(self.generations) if g.request_id.split("#")[0] == request_id)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
-                       ) -> AsyncGenerator[EngineDelta, None]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec, *,
+                       priority: int = 0) -> AsyncGenerator[EngineDelta, None]:
         gen = Generation(request_id, list(prompt_token_ids), sampling)
         self.generations.append(gen)
         if self.fail_with is not None:

@@ -18,7 +18,9 @@ from billing.prices import Price, PriceBook
 from billing.reconcile import reconcile
 from billing.replay import UsageReplay
 from runtime.cassandra_client import connect_async, execute
+from runtime.redis_client import make_redis
 from runtime.settings import Settings
+from runtime.spend import SpendBook, month_of, to_nanos
 from schemas.events import UsageEvent
 
 pytestmark = pytest.mark.integration
@@ -114,7 +116,17 @@ async def test_repair_restores_usage_but_never_reprices_a_billed_row(ledger: Led
     changed = PriceBook([*PRICES.all(), Price("m", HOUR, "v1b", Decimal("100"), Decimal("50"), Decimal("200"))])
     events = [kept, corrupted, lost]
     replay = UsageReplay([(0, i, u) for i, u in enumerate(events)], {u.request_id: u for u in events})
-    report = await reconcile(ledger, changed, replay, HOUR, HOUR + timedelta(hours=1), repair=True, org_id=org)
+    redis = make_redis(stack.redis)
+    spend = SpendBook(redis, stack.redis)
+    try:
+        report = await reconcile(ledger, changed, replay, HOUR, HOUR + timedelta(hours=1), repair=True, org_id=org,
+                                 spend=spend)
+        # what the repair billed is charged to the org's spend: the lost row, and the corrected one (this test wrote
+        # the rows without the billing processor, so nothing had charged it); the untouched row is not
+        assert (await spend.read(org, month_of(HOUR))).billed_nanos == to_nanos(
+            changed.price_at("m", lost.requested_at).cost(10, 4, 2)) + to_nanos(billed[corrupted.request_id].cost)
+    finally:
+        await redis.aclose()
 
     assert await ledger.get(kept.request_id) == billed[kept.request_id]  # its cost is final
     assert await ledger.get(corrupted.request_id) == billed[corrupted.request_id]  # tokens back, cost at v1

@@ -40,7 +40,8 @@ def test_a_hold_is_the_prompt_at_the_input_rate_plus_max_tokens_of_output() -> N
     # 1000 x $0.30/M + 500 x $1.20/M = $0.0009 = 900,000 nano-dollars, in the month of the request's creation (UTC);
     # the $5 budget in the same unit
     assert hold == BudgetHold("2026-11", 5_000_000_000, 900_000, 0.9)
-    assert _pricer().hold(key.org, "m", 1000, 500, NOW) is None  # no budget: no hold
+    # no budget: a hold of nothing, which tells admission the org has no budget (any more)
+    assert _pricer().hold(key.org, "m", 1000, 500, NOW) == BudgetHold("2026-11", None, 0, 0.8)
     assert _pricer().hold(org, "unpriced", 1000, 500, NOW) == BudgetHold("2026-11", 5_000_000_000, 0, 0.9)
 
 

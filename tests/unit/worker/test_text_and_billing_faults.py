@@ -32,8 +32,8 @@ class StopBufferEngine(FakeEngine):
     text are held back until more text arrives or the request finishes, so no partial stop string is streamed.
     The detokenizer only ever outputs the text of *generated* tokens: prompt tokens are context."""
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
-                       ) -> AsyncGenerator[EngineDelta, None]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec, *,
+                       priority: int = 0) -> AsyncGenerator[EngineDelta, None]:
         gen = Generation(request_id, list(prompt_token_ids), sampling)
         self.generations.append(gen)
         gate = self._steps.setdefault(request_id.split("#")[0], asyncio.Semaphore(0))

@@ -1,0 +1,117 @@
+"""Priority classes through Kafka: which work queues a worker fetches from next.
+
+Each priority class has a work-queue topic of its own (``TOPICS.work_queues()``, highest first); a worker is a
+member of one group over all of them. Before each fetch the consumer loop asks :meth:`PriorityGate.select` which
+of its partitions to fetch: those of the highest class that has requests waiting, plus each lower class with
+requests waiting whose share of this worker's recent admissions fell below ``min_share`` (its starvation guard);
+the others are paused. Nothing is reordered inside a partition, and nothing fetched is dropped.
+
+"Waiting" is a partition's end offset minus the consumer's position. A fetched partition's end offset comes with
+each fetch (its high watermark); a paused one's is looked up (one ListOffsets round trip for all of them, at most
+every ``refresh_s``), which is what lets an enterprise request that arrived while the engine was full take the next
+free slot. The waiting requests per class are the ``kns_worker_queue_depth`` gauge (the autoscaler's input: sum it
+over workers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from functools import partial
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import IllegalStateError, KafkaError
+
+from runtime.metrics import WORKER_QUEUE_DEPTH
+
+log = logging.getLogger(__name__)
+
+#: recent admissions the starvation guard counts shares over
+WINDOW = 20
+
+
+class PriorityGate:
+    def __init__(self, consumer: AIOKafkaConsumer, classes: Mapping[str, str], ranks: Mapping[str, int], *,
+                 min_share: float, refresh_s: float, clock: Callable[[], float] = time.monotonic,
+                 position: Callable[[TopicPartition], int | None] | None = None) -> None:
+        """``classes``: topic → its class name; ``ranks``: class name → rank (0 highest)."""
+        self._consumer = consumer
+        self._position = position or partial(_position, consumer)
+        self._class_of = dict(classes)
+        self._rank = dict(ranks)
+        self._min_share = min_share
+        self._refresh_s = refresh_s
+        self._clock = clock
+        self._ends: dict[TopicPartition, int] = {}
+        self._looked_up_at = float("-inf")
+        self._recent: deque[str] = deque(maxlen=WINDOW)
+
+    def rank(self, tp: TopicPartition) -> int:
+        return self._rank.get(self._class_of.get(tp.topic, ""), len(self._rank))
+
+    def admitted(self, tp: TopicPartition) -> None:
+        """A record of ``tp`` was handed to the worker."""
+        self._recent.append(self._class_of.get(tp.topic, ""))
+
+    def share(self, name: str) -> float:
+        return self._recent.count(name) / WINDOW
+
+    async def select(self) -> list[TopicPartition]:
+        """The partitions to fetch now, highest class first."""
+        assigned = self._consumer.assignment()
+        waiting = await self.waiting(assigned)
+        classes = sorted({self._class_of.get(tp.topic, "") for tp, n in waiting.items() if n > 0},
+                         key=lambda c: self._rank.get(c, len(self._rank)))
+        if classes:
+            chosen = {classes[0]} | {c for c in classes[1:] if self.share(c) < self._min_share}
+            assigned = {tp for tp in assigned if self._class_of.get(tp.topic, "") in chosen}
+        return sorted(assigned, key=lambda tp: (self.rank(tp), tp.topic, tp.partition))
+
+    async def report_depth(self, every_s: float = 1.0) -> None:
+        """Keep the queue-depth gauge current while the loop is not selecting (the engine is full: everything is
+        paused, and that is when the depth matters most)."""
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await self.waiting(self._consumer.assignment())
+            except (KafkaError, IllegalStateError) as exc:  # a rebalance under way: next time
+                log.debug("queue depth not measured", extra={"error": repr(exc)})
+
+    async def waiting(self, assigned: set[TopicPartition]) -> dict[TopicPartition, int]:
+        """Requests waiting per assigned partition (and the queue-depth gauge per class)."""
+        consumer = self._consumer
+        paused = consumer.paused()
+        stale = [tp for tp in assigned if tp in paused or consumer.highwater(tp) is None]
+        if stale and self._clock() - self._looked_up_at >= self._refresh_s:
+            self._looked_up_at = self._clock()
+            try:
+                self._ends.update(await consumer.end_offsets(stale))
+            except KafkaError as exc:  # the last known ends stand in; the next fetch brings fresh ones
+                log.warning("could not look up the work queues' end offsets", extra={"error": repr(exc)})
+        waiting: dict[TopicPartition, int] = {}
+        depth = dict.fromkeys(self._rank, 0)
+        for tp in assigned:
+            end = consumer.highwater(tp) if tp not in paused else None
+            end = end if end is not None else self._ends.get(tp)
+            position = self._position(tp)
+            if end is None or position is None:
+                waiting[tp] = 1  # unknown: worth a fetch
+                continue
+            waiting[tp] = max(0, end - position)
+            depth[self._class_of.get(tp.topic, "")] = depth.get(self._class_of.get(tp.topic, ""), 0) + waiting[tp]
+        for name, n in depth.items():
+            WORKER_QUEUE_DEPTH.labels(priority=name).set(n)
+        return waiting
+
+
+def _position(consumer: AIOKafkaConsumer, tp: TopicPartition) -> int | None:
+    """The consumer's position in ``tp``, None while it has none. aiokafka's ``position()`` would wait for one (an
+    offset reset of a paused partition may never come), and it has no non-blocking form: read its state."""
+    try:
+        state = consumer._subscription.subscription.assignment.state_value(tp)
+    except AttributeError:  # no subscription or assignment (a rebalance under way)
+        return None
+    return state.position if state is not None and state.has_valid_position else None

@@ -1,0 +1,99 @@
+"""The priority gate's choice of work queues (pure logic, a fake consumer; the order under a saturated engine runs
+on the real stack in tests/e2e/test_priority.py)."""
+
+from __future__ import annotations
+
+from aiokafka import TopicPartition
+
+from inference_workers.priority import WINDOW, PriorityGate
+
+HIGH, STD, LOW = (TopicPartition(t, 0) for t in ("q.high", "q.std", "q.low"))
+CLASSES = {"q.high": "high", "q.std": "standard", "q.low": "low"}
+RANKS = {"high": 0, "standard": 1, "low": 2}
+
+
+class Consumer:
+    """What the gate reads of an aiokafka consumer: assignment, pauses, high watermarks, end offsets."""
+
+    def __init__(self, ends: dict[TopicPartition, int], positions: dict[TopicPartition, int]) -> None:
+        self.ends, self.positions = ends, positions
+        self.paused_now: set[TopicPartition] = set()
+        self.lookups = 0
+
+    def assignment(self) -> set[TopicPartition]:
+        return set(self.ends)
+
+    def paused(self) -> set[TopicPartition]:
+        return set(self.paused_now)
+
+    def highwater(self, tp: TopicPartition) -> int | None:
+        return self.ends[tp]
+
+    async def end_offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+        self.lookups += 1
+        return {tp: self.ends[tp] for tp in tps}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def gate(consumer: Consumer, clock: Clock | None = None, min_share: float = 0.1) -> PriorityGate:
+    return PriorityGate(consumer, CLASSES, RANKS, min_share=min_share, refresh_s=0.02, clock=clock or Clock(),
+                        position=consumer.positions.get)  # type: ignore[arg-type]
+
+
+async def test_the_highest_class_waiting_is_fetched_alone_once_the_lower_ones_had_their_share() -> None:
+    consumer = Consumer({HIGH: 5, STD: 9, LOW: 9}, {HIGH: 3, STD: 0, LOW: 0})
+    g = gate(consumer)
+    for _ in range(WINDOW):  # a free flood had the engine: the low class had far more than its share
+        g.admitted(LOW)
+    g.admitted(STD)
+    g.admitted(STD)
+    assert await g.select() == [HIGH]
+
+
+async def test_a_waiting_lower_class_below_its_share_is_fetched_too_after_the_higher() -> None:
+    consumer = Consumer({HIGH: 50, STD: 0, LOW: 9}, {HIGH: 0, STD: 0, LOW: 0})
+    g = gate(consumer)
+    for _ in range(WINDOW):
+        g.admitted(HIGH)
+    assert await g.select() == [HIGH, LOW]  # 0 of the last 20 admissions were low: its guard lets it in
+    g.admitted(LOW)
+    assert await g.select() == [HIGH, LOW]  # 1 of 20 < 10 %
+    g.admitted(LOW)
+    assert await g.select() == [HIGH]  # 2 of 20: its share is met while high requests wait
+
+
+async def test_with_nothing_waiting_every_partition_is_fetched_in_class_order() -> None:
+    consumer = Consumer({HIGH: 3, STD: 4, LOW: 5}, {HIGH: 3, STD: 4, LOW: 5})
+    assert await gate(consumer).select() == [HIGH, STD, LOW]
+
+
+async def test_a_paused_partitions_end_is_looked_up_so_a_request_that_arrived_meanwhile_is_seen() -> None:
+    # the engine was full: everything paused, the high queue's watermark is stale; a high request arrived
+    consumer = Consumer({HIGH: 1, STD: 0, LOW: 30}, {HIGH: 0, STD: 0, LOW: 10})
+    consumer.paused_now = {HIGH, STD, LOW}
+    clock = Clock()
+    g = gate(consumer, clock)
+    for _ in range(WINDOW):
+        g.admitted(LOW)
+    assert await g.select() == [HIGH]
+    assert consumer.lookups == 1
+    await g.select()
+    assert consumer.lookups == 1  # within refresh_s the last lookup stands
+    clock.now += 0.05
+    await g.select()
+    assert consumer.lookups == 2
+
+
+async def test_a_partition_without_a_position_is_fetched() -> None:
+    consumer = Consumer({HIGH: 0, LOW: 9}, {LOW: 0})  # high just assigned: no position yet
+    g = gate(consumer)
+    for _ in range(WINDOW):
+        g.admitted(LOW)
+    assert await g.select() == [HIGH]
