@@ -16,6 +16,7 @@ over workers).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -23,7 +24,7 @@ from collections.abc import Callable, Mapping
 from functools import partial
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.errors import IllegalStateError, KafkaError
+from aiokafka.errors import IllegalStateError
 
 from runtime.metrics import WORKER_QUEUE_DEPTH
 
@@ -31,6 +32,10 @@ log = logging.getLogger(__name__)
 
 #: recent admissions the starvation guard counts shares over
 WINDOW = 20
+#: nothing admitted for this long while the gate leaves waiting classes out: it stops choosing (``_stalled``)
+STALL_S = 2.0
+#: how long select() waits for an end-offset lookup before using the last known ends
+LOOKUP_WAIT_S = 0.05
 
 
 class PriorityGate:
@@ -48,6 +53,9 @@ class PriorityGate:
         self._ends: dict[TopicPartition, int] = {}
         self._looked_up_at = float("-inf")
         self._recent: deque[str] = deque(maxlen=WINDOW)
+        #: when select() last began to leave waiting classes out with nothing admitted since (see ``_stalled``)
+        self._restricted_since: float | None = None
+        self._lookup: asyncio.Future[None] | None = None
 
     def rank(self, tp: TopicPartition) -> int:
         return self._rank.get(self._class_of.get(tp.topic, ""), len(self._rank))
@@ -55,20 +63,34 @@ class PriorityGate:
     def admitted(self, tp: TopicPartition) -> None:
         """A record of ``tp`` was handed to the worker."""
         self._recent.append(self._class_of.get(tp.topic, ""))
+        self._restricted_since = None
 
     def share(self, name: str) -> float:
         return self._recent.count(name) / WINDOW
 
     async def select(self) -> list[TopicPartition]:
         """The partitions to fetch now, highest class first."""
-        assigned = self._consumer.assignment()
-        waiting = await self.waiting(assigned)
+        waiting = await self.waiting(self._consumer.assignment())
+        assigned = set(waiting)  # what is still assigned after the lookup (a rebalance may have moved some)
         classes = sorted({self._class_of.get(tp.topic, "") for tp, n in waiting.items() if n > 0},
                          key=lambda c: self._rank.get(c, len(self._rank)))
         if classes:
             chosen = {classes[0]} | {c for c in classes[1:] if self.share(c) < self._min_share}
+            if chosen == set(classes):
+                self._restricted_since = None
+            elif self._stalled():
+                chosen = set(classes)
             assigned = {tp for tp in assigned if self._class_of.get(tp.topic, "") in chosen}
         return sorted(assigned, key=lambda tp: (self.rank(tp), tp.topic, tp.partition))
+
+    def _stalled(self) -> bool:
+        """Fetching only the chosen classes has admitted nothing for STALL_S (a higher class's partition reads as
+        waiting but returns nothing): then every class that waits is fetched, so the worker never idles behind a
+        queue it cannot read. Time with the engine full does not count: select() is not called then."""
+        now = self._clock()
+        if self._restricted_since is None:
+            self._restricted_since = now
+        return now - self._restricted_since > STALL_S
 
     async def report_depth(self, every_s: float = 1.0) -> None:
         """Keep the queue-depth gauge current while the loop is not selecting (the engine is full: everything is
@@ -77,34 +99,55 @@ class PriorityGate:
             await asyncio.sleep(every_s)
             try:
                 await self.waiting(self._consumer.assignment())
-            except (KafkaError, IllegalStateError) as exc:  # a rebalance under way: next time
+            except Exception as exc:  # a rebalance under way, the broker away: measured next time, never fatal
                 log.debug("queue depth not measured", extra={"error": repr(exc)})
 
     async def waiting(self, assigned: set[TopicPartition]) -> dict[TopicPartition, int]:
-        """Requests waiting per assigned partition (and the queue-depth gauge per class)."""
+        """Requests waiting per partition still assigned (and the queue-depth gauge per class)."""
         consumer = self._consumer
-        paused = consumer.paused()
-        stale = [tp for tp in assigned if tp in paused or consumer.highwater(tp) is None]
-        if stale and self._clock() - self._looked_up_at >= self._refresh_s:
+        stale = [tp for tp in assigned if tp in consumer.paused() or self._fetched_end(tp) is None]
+        lookup = self._lookup
+        if stale and self._clock() - self._looked_up_at >= self._refresh_s and (lookup is None or lookup.done()):
             self._looked_up_at = self._clock()
-            try:
-                self._ends.update(await consumer.end_offsets(stale))
-            except KafkaError as exc:  # the last known ends stand in; the next fetch brings fresh ones
-                log.warning("could not look up the work queues' end offsets", extra={"error": repr(exc)})
+            lookup = self._lookup = asyncio.ensure_future(self._look_up(stale))
+        if lookup is not None and not lookup.done():
+            # A quick answer is used now; a slow one (a leader moving: aiokafka retries for its request timeout)
+            # does not hold up fetching: the last known ends stand in, and it lands in the cache when it comes.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(lookup), LOOKUP_WAIT_S)
+        # NOTE: after the await: a rebalance may have moved partitions meanwhile (aiokafka asserts on those).
+        assigned = assigned & consumer.assignment()
+        paused = consumer.paused()
         waiting: dict[TopicPartition, int] = {}
         depth = dict.fromkeys(self._rank, 0)
         for tp in assigned:
-            end = consumer.highwater(tp) if tp not in paused else None
+            end = self._fetched_end(tp) if tp not in paused else None
             end = end if end is not None else self._ends.get(tp)
             position = self._position(tp)
             if end is None or position is None:
                 waiting[tp] = 1  # unknown: worth a fetch
                 continue
             waiting[tp] = max(0, end - position)
-            depth[self._class_of.get(tp.topic, "")] = depth.get(self._class_of.get(tp.topic, ""), 0) + waiting[tp]
+            name = self._class_of.get(tp.topic, "")
+            depth[name] = depth.get(name, 0) + waiting[tp]
         for name, n in depth.items():
             WORKER_QUEUE_DEPTH.labels(priority=name).set(n)
         return waiting
+
+    async def _look_up(self, partitions: list[TopicPartition]) -> None:
+        try:
+            self._ends.update(await self._consumer.end_offsets(partitions))
+        except Exception as exc:  # the last known ends stand in; the next fetch brings fresh ones
+            log.warning("could not look up the work queues' end offsets", extra={"error": repr(exc)})
+
+    def _fetched_end(self, tp: TopicPartition) -> int | None:
+        """The end a read_committed consumer can read to, from the last fetch: the last stable offset (the high
+        watermark counts records of open transactions, which no fetch returns yet)."""
+        try:
+            stable = self._consumer.last_stable_offset(tp)
+            return stable if stable is not None and stable >= 0 else self._consumer.highwater(tp)
+        except (AssertionError, IllegalStateError):  # no longer assigned
+            return None
 
 
 def _position(consumer: AIOKafkaConsumer, tp: TopicPartition) -> int | None:

@@ -42,7 +42,7 @@ class PartitionTransactions:
         transaction aborted, so the partition's committed state is final and can be read."""
         if tp in self._producers:
             return
-        producer = make_producer(self._kafka, role=f"worker-txn-{tp.partition}",
+        producer = make_producer(self._kafka, role=f"worker-txn-{tp.topic}-{tp.partition}",
                                  transactional_id=transactional_id(self._group, tp))
         await producer.start()
         self._producers[tp] = producer

@@ -161,7 +161,8 @@ class Worker:
 
             async def handle(request: ChatRequest, record: ConsumerRecord[bytes, bytes]) -> None:
                 await intake.handle(request, record)
-                gate.admitted(TopicPartition(record.topic, record.partition))
+                if request.request_id in intake.jobs:  # started (a skipped duplicate is no admission)
+                    gate.admitted(TopicPartition(record.topic, record.partition))
 
             admin = admin_server(create_admin_app(self.problems, self.state), worker.admin_host, worker.admin_port)
             admin_task = asyncio.create_task(admin.serve(), name="admin")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from aiokafka import TopicPartition
 
-from inference_workers.priority import WINDOW, PriorityGate
+from inference_workers.priority import STALL_S, WINDOW, PriorityGate
 
 HIGH, STD, LOW = (TopicPartition(t, 0) for t in ("q.high", "q.std", "q.low"))
 CLASSES = {"q.high": "high", "q.std": "standard", "q.low": "low"}
@@ -27,6 +27,9 @@ class Consumer:
         return set(self.paused_now)
 
     def highwater(self, tp: TopicPartition) -> int | None:
+        return self.ends[tp]
+
+    def last_stable_offset(self, tp: TopicPartition) -> int | None:
         return self.ends[tp]
 
     async def end_offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
@@ -96,4 +99,19 @@ async def test_a_partition_without_a_position_is_fetched() -> None:
     g = gate(consumer)
     for _ in range(WINDOW):
         g.admitted(LOW)
+    assert await g.select() == [HIGH]
+
+
+async def test_a_worker_that_admits_nothing_while_requests_wait_stops_choosing() -> None:
+    """A high partition that reads as waiting but returns nothing (a record no fetch can return): after STALL_S
+    without an admission every waiting class is fetched, so the worker never idles behind it."""
+    consumer = Consumer({HIGH: 1, LOW: 9}, {HIGH: 0, LOW: 0})
+    clock = Clock()
+    g = gate(consumer, clock)
+    for _ in range(WINDOW):
+        g.admitted(LOW)
+    assert await g.select() == [HIGH]
+    clock.now += STALL_S + 0.1
+    assert await g.select() == [HIGH, LOW]
+    g.admitted(HIGH)
     assert await g.select() == [HIGH]

@@ -1,0 +1,119 @@
+"""Adversarial review of the priority gate (f1179e9): pure logic, a fake consumer that behaves as aiokafka's does
+where it matters (``highwater``/``last_stable_offset`` assert on a partition no longer assigned)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiokafka import TopicPartition
+
+from inference_workers.priority import WINDOW, PriorityGate
+
+HIGH, STD, LOW = (TopicPartition(t, 0) for t in ("q.high", "q.std", "q.low"))
+CLASSES = {"q.high": "high", "q.std": "standard", "q.low": "low"}
+RANKS = {"high": 0, "standard": 1, "low": 2}
+
+
+class Consumer:
+    def __init__(self, ends: dict[TopicPartition, int], positions: dict[TopicPartition, int]) -> None:
+        self.ends, self.positions = ends, positions
+        self.assigned = set(ends)
+        self.paused_now: set[TopicPartition] = set()
+        self.lookup_delay_s = 0.0
+        self.lookups = 0
+
+    def assignment(self) -> set[TopicPartition]:
+        return set(self.assigned)
+
+    def paused(self) -> set[TopicPartition]:
+        return self.paused_now & self.assigned
+
+    def highwater(self, tp: TopicPartition) -> int | None:
+        assert tp in self.assigned, "Partition is not assigned"  # as aiokafka's
+        return self.ends[tp]
+
+    def last_stable_offset(self, tp: TopicPartition) -> int | None:
+        assert tp in self.assigned, "Partition is not assigned"
+        return self.ends[tp]
+
+    async def end_offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+        self.lookups += 1
+        await asyncio.sleep(self.lookup_delay_s)
+        return {tp: self.ends[tp] for tp in tps}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def gate(consumer: Consumer, clock: Clock, min_share: float = 0.1) -> PriorityGate:
+    return PriorityGate(consumer, CLASSES, RANKS, min_share=min_share, refresh_s=0.02, clock=clock,
+                        position=consumer.positions.get)
+
+
+async def test_a_lower_class_is_not_paused_forever_behind_a_high_partition_that_admits_nothing() -> None:
+    """The starvation guard counts admissions, not time: while a high partition reads as waiting but yields no
+    admission (refused by ``accepts`` while a stale/lost partition is still assigned, records of an open or
+    hanging transaction under read_committed, ...) nothing is ever admitted, so the low class's share never
+    drops and low stays paused: the worker idles with room and low requests waiting (until their deadline)."""
+    consumer = Consumer({HIGH: 5, LOW: 50}, {HIGH: 0, LOW: 10})
+    clock = Clock()
+    g = gate(consumer, clock)
+    for _ in range(WINDOW):
+        g.admitted(LOW)  # the low class had the engine until the high record arrived
+    seen_low = False
+    for _ in range(600):  # a minute of loop iterations (every 100 ms), no admission at all
+        clock.now += 0.1
+        seen_low = seen_low or LOW in await g.select()
+    assert seen_low, "low never fetched in a minute although nothing at all was admitted"
+
+
+async def test_a_long_saturation_does_not_switch_the_gate_off() -> None:
+    """Guards a fix of the test above (a stall clock since the last admission, as in the uncommitted working
+    tree): time with the engine full (no room: select() is not even called) is no stall. 16 slots of 30 s
+    requests free one slot every ~2 s: the high class waiting must still be fetched alone."""
+    consumer = Consumer({HIGH: 5, LOW: 50}, {HIGH: 0, LOW: 10})
+    clock = Clock()
+    g = gate(consumer, clock)
+    for _ in range(WINDOW // 2):
+        g.admitted(LOW)
+        g.admitted(HIGH)
+    clock.now += 5.0  # the engine was full: the consume loop waited on room_freed, no select(), no admission
+    assert await g.select() == [HIGH], "the freed slot went to a coin flip between high and low"
+
+
+async def test_a_rebalance_during_the_lookup_does_not_raise() -> None:
+    """The partitions listed before ``await end_offsets()`` are read after it; one moved away meanwhile makes
+    aiokafka's ``highwater()`` assert -> select() raises -> consume() raises -> the worker's consumer task dies."""
+    consumer = Consumer({HIGH: 5, STD: 3, LOW: 9}, {HIGH: 0, STD: 0, LOW: 0})
+    consumer.paused_now = {LOW}
+    g = gate(consumer, Clock())
+    real = consumer.end_offsets
+
+    async def lookup_then_rebalance(tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+        ends = await real(tps)
+        consumer.assigned = {STD, LOW}  # HIGH moved to another worker while the lookup was in flight
+        return ends
+
+    consumer.end_offsets = lookup_then_rebalance  # type: ignore[method-assign]
+    assert await g.select() == [STD, LOW]  # HIGH no longer ours; LOW under its share
+
+
+async def test_a_slow_end_offset_lookup_does_not_hold_up_fetching() -> None:
+    """The lookup is awaited inline, before every fetch while any partition is paused (each loop iteration once
+    refresh_s has passed). aiokafka retries a failing ListOffsets (leader moving, broker slow) until
+    request_timeout_ms (kafka.request_timeout_ms + 5 s = 35 s): meanwhile nothing is fetched from any partition,
+    the ones whose end is known included. Expected: the last known ends stand in while a lookup is slow."""
+    consumer = Consumer({HIGH: 5, LOW: 9}, {HIGH: 0, LOW: 0})
+    consumer.paused_now = {LOW}
+    clock = Clock()
+    g = gate(consumer, clock)
+    assert await g.select() == [HIGH, LOW]  # the first lookup is quick: ends known
+    consumer.lookup_delay_s = 35.0  # the next one hangs until aiokafka's request timeout
+    clock.now += 1.0
+    selected = await asyncio.wait_for(g.select(), 1.0)
+    assert HIGH in selected
