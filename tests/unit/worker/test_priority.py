@@ -6,43 +6,11 @@ from __future__ import annotations
 from aiokafka import TopicPartition
 
 from inference_workers.priority import STALL_S, WINDOW, PriorityGate
+from tests.fakes.priority import Clock, Consumer
 
 HIGH, STD, LOW = (TopicPartition(t, 0) for t in ("q.high", "q.std", "q.low"))
 CLASSES = {"q.high": "high", "q.std": "standard", "q.low": "low"}
 RANKS = {"high": 0, "standard": 1, "low": 2}
-
-
-class Consumer:
-    """What the gate reads of an aiokafka consumer: assignment, pauses, high watermarks, end offsets."""
-
-    def __init__(self, ends: dict[TopicPartition, int], positions: dict[TopicPartition, int]) -> None:
-        self.ends, self.positions = ends, positions
-        self.paused_now: set[TopicPartition] = set()
-        self.lookups = 0
-
-    def assignment(self) -> set[TopicPartition]:
-        return set(self.ends)
-
-    def paused(self) -> set[TopicPartition]:
-        return set(self.paused_now)
-
-    def highwater(self, tp: TopicPartition) -> int | None:
-        return self.ends[tp]
-
-    def last_stable_offset(self, tp: TopicPartition) -> int | None:
-        return self.ends[tp]
-
-    async def end_offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
-        self.lookups += 1
-        return {tp: self.ends[tp] for tp in tps}
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def gate(consumer: Consumer, clock: Clock | None = None, min_share: float = 0.1) -> PriorityGate:

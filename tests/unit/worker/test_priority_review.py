@@ -8,46 +8,11 @@ import asyncio
 from aiokafka import TopicPartition
 
 from inference_workers.priority import WINDOW, PriorityGate
+from tests.fakes.priority import Clock, Consumer
 
 HIGH, STD, LOW = (TopicPartition(t, 0) for t in ("q.high", "q.std", "q.low"))
 CLASSES = {"q.high": "high", "q.std": "standard", "q.low": "low"}
 RANKS = {"high": 0, "standard": 1, "low": 2}
-
-
-class Consumer:
-    def __init__(self, ends: dict[TopicPartition, int], positions: dict[TopicPartition, int]) -> None:
-        self.ends, self.positions = ends, positions
-        self.assigned = set(ends)
-        self.paused_now: set[TopicPartition] = set()
-        self.lookup_delay_s = 0.0
-        self.lookups = 0
-
-    def assignment(self) -> set[TopicPartition]:
-        return set(self.assigned)
-
-    def paused(self) -> set[TopicPartition]:
-        return self.paused_now & self.assigned
-
-    def highwater(self, tp: TopicPartition) -> int | None:
-        assert tp in self.assigned, "Partition is not assigned"  # as aiokafka's
-        return self.ends[tp]
-
-    def last_stable_offset(self, tp: TopicPartition) -> int | None:
-        assert tp in self.assigned, "Partition is not assigned"
-        return self.ends[tp]
-
-    async def end_offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
-        self.lookups += 1
-        await asyncio.sleep(self.lookup_delay_s)
-        return {tp: self.ends[tp] for tp in tps}
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def gate(consumer: Consumer, clock: Clock, min_share: float = 0.1) -> PriorityGate:
