@@ -88,6 +88,20 @@ class TopicMap:
 PRIORITIES = ("high", "standard", "low")
 
 
+def _work_queue(name: str, about: str) -> TopicSpec:
+    """One priority class's work queue: requests cleared for generation."""
+    return TopicSpec(
+        name=name,
+        event=ChatRequest,
+        key="conversation_id, else request_id",
+        partitions=6,
+        retention_ms=7 * DAY_MS,
+        producers=("safety pre-filter", "gateway (pre-filter off)"),
+        consumers=("inference workers (group inference-workers)",),
+        description=f"Requests cleared for generation, {about}",
+    )
+
+
 TOPICS = TopicMap(
     requests_submitted=TopicSpec(
         name="llm.requests.submitted.v1",
@@ -99,38 +113,13 @@ TOPICS = TopicMap(
         consumers=("safety pre-filter", "abuse detector"),
         description="Every accepted chat request, before the safety pre-filter.",
     ),
-    requests_admitted_high=TopicSpec(
-        name="llm.requests.admitted.high.v1",
-        event=ChatRequest,
-        key="conversation_id, else request_id",
-        partitions=6,
-        retention_ms=7 * DAY_MS,
-        producers=("safety pre-filter", "gateway (pre-filter off)"),
-        consumers=("inference workers (group inference-workers)",),
-        description="Requests cleared for generation, priority class high (enterprise): drained first.",
-    ),
-    requests_admitted=TopicSpec(
-        name="llm.requests.admitted.v1",
-        event=ChatRequest,
-        key="conversation_id, else request_id",
-        partitions=6,
-        retention_ms=7 * DAY_MS,
-        producers=("safety pre-filter", "gateway (pre-filter off)"),
-        consumers=("inference workers (group inference-workers)",),
-        description="Requests cleared for generation, priority class standard (plus); the workers' work queue "
-                    "after the high class's.",
-    ),
-    requests_admitted_low=TopicSpec(
-        name="llm.requests.admitted.low.v1",
-        event=ChatRequest,
-        key="conversation_id, else request_id",
-        partitions=6,
-        retention_ms=7 * DAY_MS,
-        producers=("safety pre-filter", "gateway (pre-filter off)"),
-        consumers=("inference workers (group inference-workers)",),
-        description="Requests cleared for generation, priority class low (free): served after the higher "
-                    "classes, with a guaranteed minimum share of admissions.",
-    ),
+    requests_admitted_high=_work_queue(
+        "llm.requests.admitted.high.v1", "priority class high (enterprise): drained first."),
+    requests_admitted=_work_queue(
+        "llm.requests.admitted.v1", "priority class standard (plus); the workers' work queue after the high class's."),
+    requests_admitted_low=_work_queue(
+        "llm.requests.admitted.low.v1", "priority class low (free): served after the higher classes, with a "
+        "guaranteed minimum share of admissions."),
     tokens=TopicSpec(
         name="llm.tokens.emitted.v1",
         event=TokenEvent,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
@@ -48,6 +50,18 @@ def _usage(org: str, at: datetime, prompt: int = 1000, completion: int = 500) ->
                       attempt=1, worker_id="w", requested_at=at, started_at=at, finished_at=at)
 
 
+@asynccontextmanager
+async def _stores(stack: Settings) -> AsyncIterator[tuple[Ledger, Redis, SpendBook]]:
+    """The ledger (Cassandra) and the spend (Redis) a test reads and writes."""
+    cluster, session = await connect_async(stack.cassandra)
+    redis = make_redis(stack.redis)
+    try:
+        yield await Ledger.open(session, stack.cassandra.keyspace), redis, SpendBook(redis, stack.redis)
+    finally:
+        await redis.aclose()
+        await asyncio.to_thread(cluster.shutdown)
+
+
 async def _wipe(redis: Redis, stack: Settings, org: str, month: str, *request_ids: str) -> None:
     """What a Redis restart without persistence leaves of this org-month: nothing (marks included)."""
     book = SpendBook(redis, stack.redis)
@@ -67,21 +81,14 @@ async def test_reconcile_repair_bills_into_the_ledger_and_the_spend_alike(stack:
     org, now = _org(), datetime.now(UTC).replace(microsecond=0)
     lost = _usage(org, now - timedelta(seconds=5))
     replay = UsageReplay(records=[(0, 0, lost)], first={lost.request_id: lost})
-    cluster, session = await connect_async(stack.cassandra)
-    redis = make_redis(stack.redis)
-    try:
-        ledger = await Ledger.open(session, stack.cassandra.keyspace)
+    async with _stores(stack) as (ledger, _redis, book):
         report = await reconcile(ledger, PriceBook([seed]), replay, now - timedelta(minutes=1),
-                                 now + timedelta(minutes=1), repair=True, org_id=org,
-                                 spend=SpendBook(redis, stack.redis))
+                                 now + timedelta(minutes=1), repair=True, org_id=org, spend=book)
         assert report.repaired == 1
         row = await ledger.get(lost.request_id)
         assert row is not None
-        spend = await SpendBook(redis, stack.redis).read(org, month_of(row.requested_at))
+        spend = await book.read(org, month_of(row.requested_at))
         assert spend.billed_nanos == to_nanos(row.cost), "reconcile --repair billed a row the spend never counts"
-    finally:
-        await redis.aclose()
-        await asyncio.to_thread(cluster.shutdown)
 
 
 async def test_spend_repair_while_billing_runs_counts_a_pending_charge_twice(stack: Settings) -> None:
@@ -93,11 +100,7 @@ async def test_spend_repair_while_billing_runs_counts_a_pending_charge_twice(sta
     (seed,) = load_seed()
     book_prices = PriceBook([seed])
     a, b = (LedgerRow.from_usage(_usage(org, now), book_prices) for _ in range(2))
-    cluster, session = await connect_async(stack.cassandra)
-    redis = make_redis(stack.redis)
-    book = SpendBook(redis, stack.redis)
-    try:
-        ledger = await Ledger.open(session, stack.cassandra.keyspace)
+    async with _stores(stack) as (ledger, redis, book):
         await ledger.record(a)
         await book.charge(a.request_id, org, a.requested_at, a.cost)
         await ledger.record(b)  # the processor's next step, charge(b), is retried: Redis restarts meanwhile
@@ -107,9 +110,6 @@ async def test_spend_repair_while_billing_runs_counts_a_pending_charge_twice(sta
         await book.charge(b.request_id, org, b.requested_at, b.cost)  # the processor's retry lands
         billed = (await book.read(org, month)).billed_nanos
         assert billed == ledger_nanos, f"billed {billed} != ledger {ledger_nanos}: b was counted twice"
-    finally:
-        await redis.aclose()
-        await asyncio.to_thread(cluster.shutdown)
 
 
 async def test_a_redelivered_usage_event_after_a_wipe_and_repair_is_charged_again(stack: Settings) -> None:
@@ -120,11 +120,7 @@ async def test_a_redelivered_usage_event_after_a_wipe_and_repair_is_charged_agai
     month = month_of(now)
     (seed,) = load_seed()
     a = LedgerRow.from_usage(_usage(org, now), PriceBook([seed]))
-    cluster, session = await connect_async(stack.cassandra)
-    redis = make_redis(stack.redis)
-    book = SpendBook(redis, stack.redis)
-    try:
-        ledger = await Ledger.open(session, stack.cassandra.keyspace)
+    async with _stores(stack) as (ledger, redis, book):
         await ledger.record(a)
         await book.charge(a.request_id, org, a.requested_at, a.cost)
         await _wipe(redis, stack, org, month, a.request_id)
@@ -133,9 +129,6 @@ async def test_a_redelivered_usage_event_after_a_wipe_and_repair_is_charged_agai
         assert not created
         charged = await book.charge(winner.request_id, org, winner.requested_at, winner.cost)  # ... the spend not
         assert not charged.applied and charged.billed_nanos == ledger_nanos, "charged twice after the repair"
-    finally:
-        await redis.aclose()
-        await asyncio.to_thread(cluster.shutdown)
 
 
 # --- 2. an org is never admitted past its budget ----------------------------------------------------------------
