@@ -120,9 +120,8 @@ class Job:
     last_delivery: Delivery | None = None
     in_flight: set[Delivery] = field(default_factory=set)
     #: what the client is known to have when it stops receiving: a gateway's cancel says how many tokens it
-    #: delivered; a gateway found gone had at most what was emitted when it was last seen alive
+    #: delivered
     received_cap: int | None = None
-    attended_tokens: int = 0
     #: generation is over and its outcome being committed: aborting it now would only lose the commit
     finalizing: bool = False
 
@@ -309,21 +308,14 @@ class Intake:
             job.received_cap = event.delivered_tokens
         self._abort(job, _cause(event))
 
-    def attended(self, gateway_id: str) -> None:
-        """The gateway of these streams was seen alive: what they emitted so far may have reached their clients."""
-        for job in self.jobs.values():
-            if job.request.reply.gateway_id == gateway_id:
-                job.attended_tokens = job.tokens
-
-    def cancel_unattended(self, gateway_id: str) -> int:
-        """Nobody listens to these streams any more (their gateway is gone): stop generating them, and bill no
-        more than was emitted while the gateway was last seen alive."""
-        jobs = [j for j in self.jobs.values() if j.request.reply.gateway_id == gateway_id]
-        for job in jobs:
-            if job.abort_cause is None:
-                job.received_cap = job.attended_tokens
-            self._abort(job, "unattended")
-        return len(jobs)
+    def cancel_unattended(self, request_id: str) -> bool:
+        """Nobody listens to this stream any more (its gateway is gone, nobody resumed it): stop generating it.
+        Billed for what it generated: its tokens stay on the log for a client that resumes late."""
+        job = self.jobs.get(request_id)
+        if job is None:
+            return False
+        self._abort(job, "unattended")
+        return True
 
     def _abort(self, job: Job, cause: str) -> None:
         if job.abort_cause is not None or job.task is None or job.finalizing:

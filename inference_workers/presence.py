@@ -1,10 +1,12 @@
-"""Stops generations nobody can receive: their gateway process is gone.
+"""Stops generations nobody can receive: their gateway process is gone and no other gateway resumed them.
 
 A gateway process announces itself with a liveness key in Redis (renewed with its reply-partition lease, see
-``producers/relay/claim.py``); each request names the gateway process that waits for it
-(``ReplyTo.gateway_id``). Every few seconds the worker looks up the gateways of what it is generating; a
-gateway whose key has been missing for ``grace_s`` is gone, and its requests are cancelled (billed for what
-was generated, as a client that hangs up). When Redis cannot be asked, nothing is cancelled on a guess.
+``producers/relay/claim.py``); each request names the gateway process that accepted it
+(``ReplyTo.gateway_id``), and a gateway that resumes a stream names itself the stream's listener
+(``runtime/streams.py``). Every few seconds the worker looks up the gateways of what it is generating. A stream
+whose accepting gateway and listener are both gone for ``grace_s`` — the window its client has to reconnect
+elsewhere — is cancelled, billed for what it generated (those tokens stay on the log, resumable). When Redis
+cannot be asked, nothing is cancelled on a guess.
 
 Only gateway ids of the form ``instance/incarnation`` announce themselves (older gateways did not): others are
 never taken for gone.
@@ -19,9 +21,10 @@ import time
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from inference_workers.intake import Intake
+from inference_workers.intake import Intake, Job
 from runtime.redis_client import gateway_alive_key
 from runtime.settings import RedisSettings
+from runtime.streams import StreamDirectory
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +35,14 @@ def announces_liveness(gateway_id: str) -> bool:
 
 class GatewayPresence:
     def __init__(self, redis: Redis, settings: RedisSettings, intake: Intake, *, check_every_s: float,
-                 grace_s: float) -> None:
+                 grace_s: float, streams: StreamDirectory | None = None) -> None:
         self._redis = redis
         self._settings = settings
         self._intake = intake
         self._every = check_every_s
         self._grace = grace_s
-        self._missing_since: dict[str, float] = {}
+        self._streams = streams
+        self._unattended_since: dict[str, float] = {}
 
     async def run(self) -> None:
         while True:
@@ -46,23 +50,38 @@ class GatewayPresence:
             await self.check()
 
     async def check(self) -> None:
-        gateways = sorted({j.request.reply.gateway_id for j in self._intake.jobs.values()
-                           if announces_liveness(j.request.reply.gateway_id)})
-        self._missing_since = {g: t for g, t in self._missing_since.items() if g in gateways}
-        if not gateways:
+        jobs = [j for j in self._intake.jobs.values() if announces_liveness(j.request.reply.gateway_id)]
+        self._unattended_since = {r: t for r, t in self._unattended_since.items()
+                                  if any(j.request.request_id == r for j in jobs)}
+        if not jobs:
             return
         try:
-            alive = await self._redis.mget([gateway_alive_key(self._settings, g) for g in gateways])
+            alive = await self._alive({j.request.reply.gateway_id for j in jobs})
+            orphans = [j for j in jobs if not alive[j.request.reply.gateway_id]]
+            listened = await self._listened(orphans)
         except (RedisError, OSError, TimeoutError):
             return  # unknown is not gone
         now = time.monotonic()
-        for gateway, value in zip(gateways, alive, strict=True):
-            if value is not None:
-                self._missing_since.pop(gateway, None)
-                self._intake.attended(gateway)
+        for job in jobs:
+            request_id = job.request.request_id
+            if alive[job.request.reply.gateway_id] or request_id in listened:
+                self._unattended_since.pop(request_id, None)
                 continue
-            since = self._missing_since.setdefault(gateway, now)
-            if now - since >= self._grace:
-                cancelled = self._intake.cancel_unattended(gateway)
-                log.warning("gateway gone; its streams are cancelled", extra={"gateway": gateway,
-                                                                            "requests": cancelled})
+            since = self._unattended_since.setdefault(request_id, now)
+            if now - since >= self._grace and self._intake.cancel_unattended(request_id):
+                log.warning("nobody listens to this stream any more; cancelled",
+                            extra={"request_id": request_id, "gateway": job.request.reply.gateway_id})
+
+    async def _alive(self, gateways: set[str]) -> dict[str, bool]:
+        names = sorted(gateways)
+        values = await self._redis.mget([gateway_alive_key(self._settings, g) for g in names])
+        return {g: v is not None for g, v in zip(names, values, strict=True)}
+
+    async def _listened(self, orphans: list[Job]) -> set[str]:
+        """The orphans some live gateway resumed."""
+        if not orphans or self._streams is None:
+            return set()
+        listeners = await self._streams.listeners([j.request.request_id for j in orphans])
+        named = {g for g in listeners if g}
+        alive = await self._alive(named) if named else {}
+        return {j.request.request_id for j, g in zip(orphans, listeners, strict=True) if g and alive.get(g)}

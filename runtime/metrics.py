@@ -39,6 +39,14 @@ GATEWAY_ITL = Histogram(
 GATEWAY_E2E = Histogram("kns_gateway_e2e_seconds", "Request received to last byte sent", buckets=_SLOW)
 GATEWAY_TOKENS_OUT = Counter("kns_gateway_tokens_out_total", "Completion tokens delivered to clients")
 GATEWAY_CANCELS = Counter("kns_gateway_cancels_total", "Cancel events produced for departed clients")
+GATEWAY_RESUMES = Counter(
+    "kns_gateway_stream_resumes_total", "Streams resumed on this gateway (Last-Event-ID, starting_after), by outcome",
+    ["outcome"]
+)
+GATEWAY_HANDOVERS = Counter(
+    "kns_gateway_stream_handovers_total", "Streams this gateway closed while stopping, for their clients to resume "
+    "elsewhere (the generation goes on)"
+)
 GATEWAY_LEASE = Counter(
     "kns_gateway_reply_lease_renewals_total", "Reply-partition lease renewals, by outcome", ["state"]
 )

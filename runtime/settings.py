@@ -155,6 +155,9 @@ class GatewaySettings(BaseModel):
     first_token_grace_s: float = 30.0
     # After the first token: a stream with no token event for this long ends with an error (a stalled worker).
     stream_idle_timeout_s: float = 120.0
+    # A stream can be resumed on any gateway (Last-Event-ID, starting_after) for this long after it was accepted;
+    # later, or for an unknown or another org's id, the answer is 404. Its tokens stay on the token topic (a day).
+    resume_ttl_s: float = 900.0
 
     @model_validator(mode="after")
     def _default_instance(self) -> GatewaySettings:
@@ -186,10 +189,11 @@ class WorkerSettings(BaseModel):
     admission_retry_s: float = 1.0
     # On SIGTERM running requests get this long to finish; the rest are taken over by the partitions' next owner.
     drain_timeout_s: float = 20.0
-    # Generations whose gateway is gone (no liveness key) are cancelled after this long: nobody receives them.
-    # They are billed for what was emitted when the gateway was last seen alive.
+    # A generation whose gateway is gone (no liveness key) and that no other gateway resumed (the stream's
+    # listener) goes on for this long, for its client to reconnect elsewhere; then it is cancelled, billed for
+    # what it generated (its tokens stay resumable).
     presence_check_s: float = 1.0
-    unattended_grace_s: float = 3.0
+    unattended_grace_s: float = 30.0
     # Priority classes: while a higher class has requests waiting, a lower one's partitions are paused, except that
     # each class with requests waiting still gets this share of the admissions (its starvation guard). Off: every
     # class's partitions are fetched alike (in arrival order per partition; bench priority's baseline).

@@ -38,6 +38,7 @@ from runtime.limiter import RateLimiter
 from runtime.metrics import metrics_router
 from runtime.redis_client import make_redis
 from runtime.settings import Settings
+from runtime.streams import StreamDirectory
 from schemas.topics import TOPICS
 
 log = logging.getLogger(__name__)
@@ -96,8 +97,12 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             LocalLimiter(share=tenancy_settings.local_share), tenancy_settings.tiers, holds)
         stack.push_async_callback(admission.drain)
         chat_service = ChatService(settings.gateway, prompts, publisher, relay, reply_partition, claim.gateway_id,
-                                   admission=admission, tiers=tenancy_settings.tiers.policies())
+                                   admission=admission, tiers=tenancy_settings.tiers.policies(),
+                                   streams=StreamDirectory(redis, settings.redis, ttl_s=settings.gateway.resume_ttl_s))
         stack.push_async_callback(chat_service.drain)
+        # SIGTERM (``main.GatewayServer``): open streams are handed over at once, before the server drains.
+        loop = asyncio.get_running_loop()
+        app.state.on_exit = lambda: loop.call_soon_threadsafe(chat_service.hand_over)
         app.state.ctx = GatewayContext(settings, tenancy, tenancy_admin, suspensions, ledger, prompts, claim, relay,
                                        chat_service)
         log.info("gateway ready", extra={"instance": settings.gateway.instance_id, "gateway_id": claim.gateway_id,

@@ -106,6 +106,12 @@ def unrecognized(names: list[str]) -> ApiError:
                        code="unknown_parameter")
 
 
+def stream_not_found(request_id: str) -> ApiError:
+    """Unknown, expired, or another org's: one answer for all three, so that an id reveals nothing."""
+    return ApiError(404, f"No stream with id '{request_id}' can be resumed: it does not exist, it belongs to another "
+                         "organization, or its resume window has passed.", code="not_found")
+
+
 def unavailable(message: str) -> ApiError:
     return ApiError(503, message, type="server_error", code="service_unavailable")
 

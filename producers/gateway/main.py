@@ -2,24 +2,54 @@
 
 from __future__ import annotations
 
+import logging
+from types import FrameType
+
 import uvicorn
+from fastapi import FastAPI
 
 from producers.gateway.app import create_app
+from producers.gateway.service import HandedOver
 from runtime.logs import configure_logging
 from runtime.settings import load_settings
+
+
+class GatewayServer(uvicorn.Server):
+    """uvicorn's server, telling the app when a stop signal arrives: streams are handed over before the server
+    waits for open connections to close (``ChatService.hand_over``)."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
+        super().__init__(config)
+        self._app = app
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        on_exit = getattr(self._app.state, "on_exit", None)
+        if on_exit is not None and not self.should_exit:
+            on_exit()
+        super().handle_exit(sig, frame)
+
+
+class _HandoverFilter(logging.Filter):
+    """A handed-over stream ends by an exception on purpose (it closes the connection): not an error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        while exc is not None:
+            if isinstance(exc, HandedOver):
+                return False
+            group = getattr(exc, "exceptions", None)
+            exc = group[0] if group else exc.__cause__ or exc.__context__
+        return True
 
 
 def run() -> None:
     settings = load_settings()
     configure_logging(settings.observability, service="gateway")
-    uvicorn.run(
-        create_app(settings),
-        host=settings.gateway.host,
-        port=settings.gateway.port,
-        log_config=None,
-        access_log=False,
-        timeout_graceful_shutdown=10,
-    )
+    logging.getLogger("uvicorn.error").addFilter(_HandoverFilter())
+    app = create_app(settings)
+    config = uvicorn.Config(app, host=settings.gateway.host, port=settings.gateway.port, log_config=None,
+                            access_log=False, timeout_graceful_shutdown=10)
+    GatewayServer(config, app).run()
 
 
 if __name__ == "__main__":  # ``kns gateway`` supervises this

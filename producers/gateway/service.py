@@ -9,6 +9,11 @@ bills) for nobody.
 Waiting: the request carries its queue deadline (``deadline_at``): a worker refuses it after that. The gateway
 waits for the first token until a grace period after the deadline, then for each next token up to the idle
 timeout.
+
+Resuming: every stream has a record in Redis (``runtime/streams.py``); a client reconnecting to any gateway with
+the last event id it received gets the rest, merged from the log. While the gateway stops, its open streams are
+*handed over*: their connections are closed without ``[DONE]`` and without a cancel, the generation goes on, and
+their clients resume elsewhere (a worker keeps a stream nobody listens to for ``worker.unattended_grace_s``).
 """
 
 from __future__ import annotations
@@ -22,38 +27,58 @@ from collections.abc import AsyncIterator, Coroutine, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+from redis.exceptions import RedisError
+
 from producers.gateway.admission import Admission, Ticket
-from producers.gateway.errors import ApiError, bad_request, model_not_allowed, model_not_found
+from producers.gateway.errors import (
+    ApiError,
+    bad_request,
+    model_not_allowed,
+    model_not_found,
+    stream_not_found,
+    unavailable,
+)
 from producers.gateway.prompt import PromptBuilder, to_event_messages
 from producers.gateway.protocol import ChatCompletionRequest, usage_dict
 from producers.gateway.publisher import EventPublisher
 from producers.relay.collector import Delta, StreamCollector
 from producers.relay.demux import Relay
-from producers.relay.sse import DONE, ChunkFormatter, completion, error_event
+from producers.relay.sse import DONE, ChunkFormatter, completion
 from producers.tenancy.view import ApiKey
 from runtime.metrics import (
     GATEWAY_E2E,
+    GATEWAY_HANDOVERS,
     GATEWAY_IN_FLIGHT,
     GATEWAY_ITL,
     GATEWAY_REQUESTS,
+    GATEWAY_RESUMES,
     GATEWAY_TOKENS_OUT,
     GATEWAY_TTFT,
 )
 from runtime.settings import GatewaySettings, TierPolicy
 from runtime.spend import BudgetHold
+from runtime.streams import StreamDirectory, StreamRecord
 from schemas.events import ChatRequest, ErrorCode, ReplyTo, TokenUsage, utcnow
 
 log = logging.getLogger(__name__)
 
 #: finish reasons a client may see; anything else from the engine is reported as "stop"
 CLIENT_FINISH_REASONS = {"stop", "length", "content_filter"}
+#: Redis failures while recording or looking up a stream
+STREAM_STORE_ERRORS = (RedisError, OSError, TimeoutError)
+
+
+class HandedOver(Exception):
+    """Raised out of a stream's response while the gateway stops: the server closes the connection without
+    ``[DONE]``, which tells the client to reconnect (with ``Last-Event-ID``) to another gateway."""
 
 
 @dataclass
 class Accepted:
-    """A request that is in Kafka, with its stream buffer."""
+    """A request that is in Kafka (or a stream being resumed), with its stream buffer."""
 
-    request: ChatRequest
+    #: None for a resumed stream: another gateway accepted it
+    request: ChatRequest | None
     collector: StreamCollector
     traceparent: str
     include_usage: bool
@@ -68,16 +93,31 @@ class Accepted:
     finished: bool = False
     #: prompt + completion tokens of the worker's final (what it billed)
     used_tokens: int | None = None
+    model: str = ""
+    #: a resumed stream: the position its client has (-1: nothing, not even the role chunk)
+    client_has: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.request is not None:
+            self.model = self.request.model
 
     @property
     def request_id(self) -> str:
-        return self.request.request_id
+        return self.collector.request_id
+
+    @property
+    def resumed(self) -> bool:
+        return self.client_has is not None
+
+    def has(self, position: int) -> bool:
+        """Whether a resumed stream's client already has the event at ``position``."""
+        return self.client_has is not None and self.client_has >= position
 
 
 class ChatService:
     def __init__(self, gateway: GatewaySettings, prompts: PromptBuilder, publisher: EventPublisher,
                  relay: Relay, reply_partition: int, gateway_id: str, *, admission: Admission,
-                 tiers: Mapping[str, TierPolicy] | None = None) -> None:
+                 tiers: Mapping[str, TierPolicy] | None = None, streams: StreamDirectory | None = None) -> None:
         self._settings = gateway
         self._admission = admission
         self._tiers = dict(tiers or {})
@@ -85,7 +125,11 @@ class ChatService:
         self._publisher = publisher
         self._relay = relay
         self._reply = ReplyTo(partition=reply_partition, gateway_id=gateway_id)
+        self._streams = streams
         self._background: set[asyncio.Task[None]] = set()
+        #: the streams being answered (handed over when the gateway stops)
+        self._open: dict[str, Accepted] = {}
+        self._handing_over = False
 
     def queue_deadline_s(self, tier: str) -> float:
         policy = self._tiers.get(tier)
@@ -125,13 +169,17 @@ class ChatService:
         # Reserves prompt + max_tokens against the key's and org's limits (429 past them) before anything is produced
         budget = self._admission.hold_for(key.org, body.model, len(prompt_ids), sampling.max_tokens, created_at)
         ticket = await self._admit(request.request_id, len(prompt_ids) + sampling.max_tokens, key, budget)
+        created = int(time.time())
         try:
-            collector = await self._submit(request, traceparent)
+            collector = await self._submit(request, traceparent, created, body.include_usage)
         except BaseException:
             self._spawn(self._admission.unsent(ticket, certain=False))
             raise
-        return Accepted(request, collector, traceparent, body.include_usage, received_at,
-                        queue_deadline_s=self.queue_deadline_s(key.tier), ticket=ticket)
+        accepted = Accepted(request, collector, traceparent, body.include_usage, received_at, created=created,
+                            queue_deadline_s=self.queue_deadline_s(key.tier), ticket=ticket)
+        if request.stream:
+            self._open[request.request_id] = accepted
+        return accepted
 
     async def _admit(self, request_id: str, tokens: int, key: ApiKey, budget: BudgetHold | None) -> Ticket:
         admitting = asyncio.ensure_future(self._admission.admit(request_id, tokens, key, budget))
@@ -146,10 +194,13 @@ class ChatService:
         with contextlib.suppress(Exception):
             await self._admission.unsent(await admitting, certain=True)
 
-    async def _submit(self, request: ChatRequest, traceparent: str) -> StreamCollector:
+    async def _submit(self, request: ChatRequest, traceparent: str, created: int, include_usage: bool
+                      ) -> StreamCollector:
         collector = self._relay.register(request.request_id)
         try:
-            await self._publisher.submit(request, traceparent)
+            # Both before the client sees a byte: the stream is resumable from its first event.
+            await asyncio.gather(self._publisher.submit(request, traceparent),
+                                 self._record_stream(request, collector, created, include_usage))
         except BaseException:
             self._relay.unregister(request.request_id)
             # The produce may have failed after the record reached the log (a lost ack): no worker may generate it.
@@ -161,11 +212,75 @@ class ChatService:
                                              "max_tokens": request.sampling.max_tokens, "stream": request.stream})
         return collector
 
+    async def _record_stream(self, request: ChatRequest, collector: StreamCollector, created: int,
+                             include_usage: bool) -> None:
+        if self._streams is None:
+            return
+        record = StreamRecord(request.request_id, request.org_id, self._reply.partition, collector.from_offset,
+                              request.model,
+                              created, include_usage, self._reply.gateway_id, request.user or "")
+        try:
+            await self._streams.record(record)
+        except STREAM_STORE_ERRORS as exc:
+            # The request is served all the same; only a resume elsewhere will not find it.
+            log.warning("stream record not written; the stream cannot be resumed elsewhere",
+                        extra={"request_id": record.request_id, "reason": repr(exc)})
+
+    # --- 1b. resume -----------------------------------------------------------------------------------
+
+    async def resume(self, request_id: str, client_has: int, key: ApiKey, *, traceparent: str) -> Accepted:
+        """The rest of a stream this or another gateway accepted, after the event at ``client_has`` (-1: all of
+        it). 404 for an id that is unknown, expired or another org's."""
+        received_at = time.perf_counter()
+        record = await self._stream_record(request_id)
+        if record is None or record.org_id != key.org_id:
+            GATEWAY_RESUMES.labels(outcome="not_found").inc()
+            raise stream_not_found(request_id)
+        try:
+            collector = await self._relay.resume(request_id, record.partition, record.from_offset,
+                                                 skip_through=max(client_has, 0))
+        except ValueError as exc:
+            GATEWAY_RESUMES.labels(outcome="conflict").inc()
+            raise ApiError(409, f"The stream '{request_id}' is being answered on another connection of this "
+                                "gateway.", code="stream_in_use") from exc
+        try:
+            assert self._streams is not None
+            await self._streams.listen(request_id, self._reply.gateway_id)
+        except BaseException as exc:
+            self._relay.unregister(request_id)
+            if isinstance(exc, STREAM_STORE_ERRORS):
+                raise unavailable("The stream registry is unavailable; retry the resume.") from exc
+            raise
+        GATEWAY_RESUMES.labels(outcome="resumed").inc()
+        GATEWAY_IN_FLIGHT.inc()
+        log.info("stream resumed", extra={"request_id": request_id, "client_has": client_has,
+                                          "partition": record.partition, "accepted_by": record.gateway_id})
+        accepted = Accepted(None, collector, traceparent, record.include_usage, received_at, created=record.created,
+                            model=record.model, client_has=client_has)
+        self._open[request_id] = accepted
+        return accepted
+
+    async def _stream_record(self, request_id: str) -> StreamRecord | None:
+        if self._streams is None:
+            return None
+        try:
+            return await self._streams.lookup(request_id)
+        except STREAM_STORE_ERRORS as exc:
+            raise unavailable("The stream registry is unavailable; retry the resume.") from exc
+
+    def hand_over(self) -> None:
+        """The gateway is stopping: close every open stream for its client to resume elsewhere (the generations
+        go on). Non-streaming requests are left to finish within the server's graceful shutdown."""
+        self._handing_over = True
+        for accepted in list(self._open.values()):
+            accepted.collector.fail("the gateway is stopping", ErrorCode.GATEWAY_STOPPING)
+        log.info("handing over open streams", extra={"streams": len(self._open)})
+
     # --- 2. answer ------------------------------------------------------------------------------------
 
     def _patience(self, accepted: Accepted) -> float:
         """How long to wait for the next delta: the first token until the deadline's grace, then the idle gap."""
-        if accepted.first_token_at is None:
+        if accepted.first_token_at is None and not accepted.resumed:
             deadline_s = accepted.queue_deadline_s or self._settings.queue_deadline_s
             return accepted.received_at + deadline_s + self._settings.first_token_grace_s - time.perf_counter()
         return self._settings.stream_idle_timeout_s
@@ -181,7 +296,7 @@ class ChatService:
                          error_code=ErrorCode.STREAM_TIMEOUT)
         if delta.token_count:
             now = time.perf_counter()
-            if accepted.first_token_at is None:
+            if accepted.first_token_at is None and not accepted.resumed:
                 accepted.first_token_at = now
                 GATEWAY_TTFT.observe(now - accepted.received_at)
             elif accepted.last_token_at is not None:
@@ -195,31 +310,39 @@ class ChatService:
         return delta
 
     async def stream(self, accepted: Accepted) -> AsyncIterator[bytes]:
-        """SSE bytes for one request. Closing this iterator early (client gone) cancels the generation."""
-        fmt = ChunkFormatter(accepted.request_id, accepted.request.model, accepted.created,
+        """SSE bytes for one request. Closing this iterator early (client gone) cancels the generation; a gateway
+        that stops hands the stream over instead (:class:`HandedOver`)."""
+        fmt = ChunkFormatter(accepted.request_id, accepted.model, accepted.created,
                              include_usage=accepted.include_usage)
         outcome = "cancelled"
-        role_sent = False
+        role_sent = accepted.has(0)
         try:
             while True:
                 delta = await self._next(accepted)
+                if delta.error_code == ErrorCode.GATEWAY_STOPPING and self._handing_over:
+                    outcome = "handed_over"
+                    GATEWAY_HANDOVERS.inc()
+                    raise HandedOver(accepted.request_id)
                 if not role_sent:
                     # With the first output, as vLLM and OpenAI do: a chunk before any token would make clients
                     # (and benchmark tools) measure a time to first token that no token met.
                     yield fmt.role()
                     role_sent = True
                 if delta.text:
-                    yield fmt.content(delta.text)
+                    yield fmt.content(delta.text, delta.position)
                 if not delta.finished:
                     continue
+                end = delta.position + 1  # the finish (or error) event's position; the usage chunk's is next
                 if delta.error or delta.finish_reason not in CLIENT_FINISH_REASONS:
                     outcome = "error"
-                    yield error_event(_generation_failed(delta).body())
+                    if not accepted.has(end):
+                        yield fmt.frame(_generation_failed(delta).body(), end)
                 else:
                     outcome = delta.finish_reason or "stop"
-                    yield fmt.finish(outcome)
-                    if accepted.include_usage:
-                        yield fmt.usage(_usage(accepted, delta.usage))
+                    if not accepted.has(end):
+                        yield fmt.finish(outcome, end)
+                    if accepted.include_usage and not accepted.has(end + 1):
+                        yield fmt.usage(_usage(accepted, delta.usage), end + 1)
                 yield DONE
                 return
         finally:
@@ -244,7 +367,7 @@ class ChatService:
                 raise bad_request("The request was rejected by the content filter.", param="messages",
                                   code="content_filter")
             outcome = delta.finish_reason or "stop"
-            return completion(accepted.request_id, accepted.request.model, accepted.created, text,
+            return completion(accepted.request_id, accepted.model, accepted.created, text,
                               outcome, _usage(accepted, delta.usage))
         finally:
             self._close(accepted, outcome, stream=False)
@@ -253,6 +376,7 @@ class ChatService:
 
     def _close(self, accepted: Accepted, outcome: str, *, stream: bool) -> None:
         self._relay.unregister(accepted.request_id)
+        self._open.pop(accepted.request_id, None)
         if accepted.ticket is not None:
             self._spawn(self._admission.end(accepted.ticket, accepted.used_tokens))
         GATEWAY_IN_FLIGHT.dec()
@@ -263,6 +387,8 @@ class ChatService:
         log.info("request answered", extra={"request_id": accepted.request_id, "outcome": outcome,
                                             "ttft_ms": round(ttft * 1000, 1) if ttft else None,
                                             "e2e_ms": round(elapsed * 1000, 1)})
+        if outcome == "handed_over":
+            return  # the generation goes on: the client resumes it on another gateway
         if not accepted.finished or outcome == "error":
             # The client is gone, the gateway gave up, or the stream ended in error (possibly before a worker even
             # started it): no worker may go on generating it. A task, because this frame is being cancelled.
@@ -289,7 +415,7 @@ class ChatService:
 
 def _usage(accepted: Accepted, usage: TokenUsage | None) -> dict[str, object]:
     if usage is None:  # a final event always has usage; this only guards a malformed one
-        return usage_dict(len(accepted.request.prompt_token_ids), 0, 0)
+        return usage_dict(len(accepted.request.prompt_token_ids) if accepted.request else 0, 0, 0)
     return usage_dict(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
 
 

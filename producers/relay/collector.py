@@ -30,6 +30,8 @@ class Delta:
     from_worker: bool = False
     #: producer timestamps of the merged events (hop latency), oldest first
     emitted_at_us: list[int] = field(default_factory=list)
+    #: the stream's position at the end of this delta (``runtime/streams.py``): how many deltas it has accepted
+    position: int = 0
 
     @property
     def finished(self) -> bool:
@@ -37,9 +39,15 @@ class Delta:
 
 
 class StreamCollector:
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, *, skip_through: int = 0) -> None:
         self.request_id = request_id
         self.stream = TokenStream(request_id)
+        #: deltas through this position are merged but not handed out: a resumed stream's client has them
+        self.skip_through = skip_through
+        #: deltas accepted so far (the stream's position)
+        self.accepted = 0
+        #: where its records start on the partition the relay reads them from (set when registered)
+        self.from_offset = 0
         self._parts: list[str] = []
         self._tokens = 0
         self._stamps: list[int] = []
@@ -63,11 +71,13 @@ class StreamCollector:
         was_ended = self.stream.ended
         accepted = self.stream.put(event)
         if accepted is not None:
+            self.accepted += 1
+        if accepted is not None and self.accepted > self.skip_through:
             if accepted.text:
                 self._parts.append(accepted.text)
             self._tokens += accepted.tokens
             self._stamps.append(event.emitted_at_us)
-        if accepted is not None or (self.stream.ended and not was_ended):
+        if (accepted is not None and self.accepted > self.skip_through) or (self.stream.ended and not was_ended):
             self._ready.set()
         return accepted is not None
 
@@ -84,7 +94,8 @@ class StreamCollector:
         """Wait for news, then take all of it."""
         await self._ready.wait()
         self._ready.clear()
-        delta = Delta(text="".join(self._parts), token_count=self._tokens, emitted_at_us=self._stamps)
+        delta = Delta(text="".join(self._parts), token_count=self._tokens, emitted_at_us=self._stamps,
+                      position=self.accepted)
         self._parts, self._tokens, self._stamps = [], 0, []
         final, stream = self.stream.final, self.stream
         if final is not None:

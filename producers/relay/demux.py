@@ -1,30 +1,38 @@
-"""The SSE relay's demultiplexer: one consumer task per gateway process, one collector per request.
+"""The SSE relay's demultiplexer: one consumer per tailed partition, one collector per request.
 
 The gateway claims a reply partition, the relay tails it from its end (records before the gateway started
 belong to requests whose clients are gone) and routes each token event to its request's collector.
 Register a request *before* producing it and unregister in ``finally``; events for unknown ids (a request
-whose client already left) are counted and dropped.
+whose client already left) are counted and dropped without being decoded.
+
+Resuming a stream (``runtime/streams.py``) registers it on the partition its tokens live on, from an offset at
+or before its first event: the gateway's own partition (the same instance restarted) or another one, which gets
+a feed of its own for as long as streams resumed from it are open. A resume from an offset the feed has passed
+rewinds the feed; each stream remembers the next offset it takes, so the streams already on the feed see no
+record twice.
 
 The relay reads ``read_uncommitted``: token deltas are not transactional (a transaction per token would
 cost milliseconds each) and only a request's final event rides in the worker's transaction; waiting for
 that transaction would stall every stream behind it. A final the client saw from a transaction that then
 aborted is still the outcome: the worker retries the same commit, or the request's next owner finalizes what
 the log shows (``inference_workers/prefix.py``). Which events count is the collector's
-(``schemas/token_stream.py``). A record this gateway cannot decode is dead-lettered, and its request (the
-record key) ends at once with an error rather than waiting out a timeout.
+(``schemas/token_stream.py``). A record of an open stream that this gateway cannot decode is dead-lettered, and
+its stream ends at once with an error rather than waiting out a timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from dataclasses import dataclass
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 
 from producers.relay.collector import StreamCollector
 from runtime.dead_letters import DeadLetters
-from runtime.kafka_clients import consume, make_consumer
+from runtime.kafka_clients import make_consumer
 from runtime.metrics import KAFKA_HOP, RELAY_EVENTS, RELAY_STREAMS
 from runtime.settings import KafkaSettings
 from schemas.codec import codec_for
@@ -33,6 +41,131 @@ from schemas.events import ErrorCode, TokenEvent
 
 log = logging.getLogger(__name__)
 
+#: a feed of another gateway's partition stays this long after its last resumed stream closed (a wave of resumes
+#: after a gateway died arrives over a few seconds: one feed serves them all)
+IDLE_FEED_S = 30.0
+
+
+@dataclass
+class _Sink:
+    collector: StreamCollector
+    #: the first offset this stream still takes (the records before it were merged already, or precede it)
+    next_offset: int
+
+
+class _Feed:
+    """One partition, tailed for the streams registered on it."""
+
+    def __init__(self, kafka: KafkaSettings, tp: TopicPartition, relay: Relay) -> None:
+        self._kafka = kafka
+        self.tp = tp
+        self._relay = relay
+        self.sinks: dict[str, _Sink] = {}
+        #: the next offset to route: every record still to come is at or after it
+        self.position = 0
+        self._rewind_to: int | None = None
+        self._stop = asyncio.Event()
+        self._consumer: AIOKafkaConsumer | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.idle_since: float | None = None
+        self._codec = codec_for(TokenEvent)
+
+    async def start(self, from_offset: int | None) -> None:
+        """Tail from ``from_offset`` (None: the partition's end)."""
+        consumer = make_consumer(self._kafka, role="relay", isolation="read_uncommitted",
+                                 max_partition_fetch_bytes=4 * 1024 * 1024)
+        await consumer.start()
+        try:
+            consumer.assign([self.tp])
+            if from_offset is None:
+                await consumer.seek_to_end(self.tp)
+            else:
+                consumer.seek(self.tp, from_offset)
+            # Resolved now: a request produced after start() must not be missed.
+            self.position = await consumer.position(self.tp)
+        except BaseException:
+            await consumer.stop()
+            raise
+        self._consumer = consumer
+        self.task = asyncio.create_task(self._run(consumer), name=f"relay-{self.tp.partition}")
+        log.info("relay tailing", extra={"topic": self.tp.topic, "partition": self.tp.partition,
+                                         "offset": self.position})
+
+    def add(self, request_id: str, collector: StreamCollector, from_offset: int | None) -> int:
+        """Route the request's records from ``from_offset`` on (None: what is still to come). Returns it."""
+        start = self.position if from_offset is None else from_offset
+        if start < self.position:
+            self._rewind_to = start if self._rewind_to is None else min(self._rewind_to, start)
+        self.sinks[request_id] = _Sink(collector, start)
+        self.idle_since = None
+        return start
+
+    async def _run(self, consumer: AIOKafkaConsumer) -> None:
+        try:
+            while not self._stop.is_set():
+                if self._rewind_to is not None:
+                    consumer.seek(self.tp, self._rewind_to)
+                    self.position, self._rewind_to = min(self.position, self._rewind_to), None
+                batch = await consumer.getmany(self.tp, timeout_ms=200)
+                for record in batch.get(self.tp, ()):
+                    await self._route(record)
+                    if self._rewind_to is not None:
+                        break  # the rest of this fetch is read again from the rewind
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("relay consumer failed; ending its open streams", extra={"partition": self.tp.partition})
+            self.fail_all("the gateway's token relay failed", ErrorCode.GATEWAY_STOPPING)
+            raise
+
+    async def _route(self, record: ConsumerRecord[bytes, bytes]) -> None:
+        self.position = max(self.position, record.offset + 1)
+        if record.value is None:
+            return
+        event: TokenEvent | None = None
+        if record.key is not None:
+            request_id = record.key.decode(errors="replace")
+        else:  # every producer keys its token events by request id; an unkeyed one is read to find its request
+            try:
+                event = self._codec.decode(record.value)
+            except DecodeError:
+                return
+            request_id = event.request_id
+        sink = self.sinks.get(request_id)
+        if sink is None or record.offset < sink.next_offset:
+            self._relay.unknown.inc()
+            return
+        sink.next_offset = record.offset + 1
+        if event is None:
+            try:
+                event = self._codec.decode(record.value)
+            except DecodeError as exc:
+                sink.collector.fail(f"this gateway cannot read a token event of the request ({exc})",
+                                    ErrorCode.UNDECODABLE_EVENT)
+                await self._relay.dead_letter(record, str(exc))
+                return
+        if event.emitted_at_us:
+            self._relay.hop.observe(max(0.0, time.time() - event.emitted_at_us / 1e6))
+        if sink.collector.put(event):
+            self._relay.routed.inc()
+        else:
+            self._relay.duplicate.inc()
+
+    def fail_all(self, reason: str, code: str) -> None:
+        for sink in self.sinks.values():
+            sink.collector.fail(reason, code)
+
+    @property
+    def healthy(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self.task is not None:
+            await asyncio.gather(self.task, return_exceptions=True)
+        if self._consumer is not None:
+            await self._consumer.stop()
+
 
 class Relay:
     def __init__(self, kafka: KafkaSettings, topic: str, partition: int,
@@ -40,87 +173,101 @@ class Relay:
         self._kafka = kafka
         self._dead_letters = dead_letters
         self.partition = TopicPartition(topic, partition)
-        self._streams: dict[str, StreamCollector] = {}
-        self._consumer: AIOKafkaConsumer | None = None
-        self._stop = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._hop = KAFKA_HOP.labels(hop="worker_to_relay")
-        self._routed = RELAY_EVENTS.labels(kind="routed")
-        self._unknown = RELAY_EVENTS.labels(kind="unknown_request")
-        self._duplicate = RELAY_EVENTS.labels(kind="duplicate")
+        self._own = _Feed(kafka, self.partition, self)
+        #: other gateways' partitions, tailed for resumed streams
+        self._others: dict[int, _Feed] = {}
+        self._opening: dict[int, asyncio.Future[_Feed]] = {}
+        self._where: dict[str, _Feed] = {}
+        self._janitor: asyncio.Task[None] | None = None
+        self.hop = KAFKA_HOP.labels(hop="worker_to_relay")
+        self.routed = RELAY_EVENTS.labels(kind="routed")
+        self.unknown = RELAY_EVENTS.labels(kind="unknown_request")
+        self.duplicate = RELAY_EVENTS.labels(kind="duplicate")
 
     async def start(self, from_offset: int | None = None) -> None:
         """Tail the partition from its end (``from_offset``: from there instead; benchmarks replay a backlog)."""
-        consumer = make_consumer(self._kafka, role="relay", isolation="read_uncommitted",
-                                 max_partition_fetch_bytes=4 * 1024 * 1024)
-        await consumer.start()
-        consumer.assign([self.partition])
-        if from_offset is None:
-            await consumer.seek_to_end(self.partition)
-        else:
-            consumer.seek(self.partition, from_offset)
-        # Resolve the position now: a request produced after start() must not be missed.
-        position = await consumer.position(self.partition)
-        self._consumer = consumer
-        self._task = asyncio.create_task(self._run(consumer), name="relay")
-        log.info("relay tailing", extra={"topic": self.partition.topic, "partition": self.partition.partition,
-                                         "offset": position})
-
-    async def _run(self, consumer: AIOKafkaConsumer) -> None:
-        try:
-            await consume(consumer, codec_for(TokenEvent), self._route, stop=self._stop, poll_timeout_ms=200,
-                          undecodable=self._undecodable)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("relay consumer failed; ending every open stream")
-            self._fail_all("the gateway's token relay failed", ErrorCode.GATEWAY_STOPPING)
-            raise
-
-    async def _undecodable(self, record: ConsumerRecord[bytes, bytes], exc: DecodeError) -> None:
-        collector = self._streams.get(record.key.decode(errors="replace")) if record.key else None
-        if collector is not None:
-            collector.fail(f"this gateway cannot read a token event of the request ({exc})",
-                           ErrorCode.UNDECODABLE_EVENT)
-        if self._dead_letters is not None:
-            await self._dead_letters.send(record, str(exc))
-
-    async def _route(self, event: TokenEvent, _record: ConsumerRecord[bytes, bytes]) -> None:
-        if event.emitted_at_us:
-            self._hop.observe(max(0.0, time.time() - event.emitted_at_us / 1e6))
-        collector = self._streams.get(event.request_id)
-        if collector is None:
-            self._unknown.inc()
-            return
-        if collector.put(event):
-            self._routed.inc()
-        else:
-            self._duplicate.inc()
+        await self._own.start(from_offset)
+        self._janitor = asyncio.create_task(self._close_idle_feeds(), name="relay-janitor")
 
     @property
     def healthy(self) -> bool:
-        return self._task is not None and not self._task.done()
+        return self._own.healthy
+
+    @property
+    def position(self) -> int:
+        """An offset of this gateway's partition at or before every record still to come."""
+        return self._own.position
 
     def register(self, request_id: str) -> StreamCollector:
-        if request_id in self._streams:
+        """A new request of this gateway: its records from now on."""
+        return self._add(self._own, request_id, StreamCollector(request_id), None)
+
+    async def resume(self, request_id: str, partition: int, from_offset: int, *, skip_through: int) -> StreamCollector:
+        """An existing stream, merged from ``from_offset`` of ``partition``; its deltas through position
+        ``skip_through`` are merged but not handed out (its client has them)."""
+        feed = self._own if partition == self.partition.partition else await self._feed(partition, from_offset)
+        return self._add(feed, request_id, StreamCollector(request_id, skip_through=skip_through), from_offset)
+
+    def _add(self, feed: _Feed, request_id: str, collector: StreamCollector, from_offset: int | None
+             ) -> StreamCollector:
+        if request_id in self._where:
             raise ValueError(f"request {request_id} is already registered")
-        collector = StreamCollector(request_id)
-        self._streams[request_id] = collector
-        RELAY_STREAMS.set(len(self._streams))
+        collector.from_offset = feed.add(request_id, collector, from_offset)
+        self._where[request_id] = feed
+        RELAY_STREAMS.set(len(self._where))
         return collector
 
-    def unregister(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
-        RELAY_STREAMS.set(len(self._streams))
+    async def _feed(self, partition: int, from_offset: int) -> _Feed:
+        feed = self._others.get(partition)
+        if feed is not None and feed.healthy:
+            return feed
+        opening = self._opening.get(partition)
+        if opening is None:
+            opening = self._opening[partition] = asyncio.ensure_future(self._open(partition, from_offset))
+            opening.add_done_callback(lambda _: self._opening.pop(partition, None))
+        return await asyncio.shield(opening)
 
-    def _fail_all(self, reason: str, code: str) -> None:
-        for collector in self._streams.values():
-            collector.fail(reason, code)
+    async def _open(self, partition: int, from_offset: int) -> _Feed:
+        stale = self._others.pop(partition, None)
+        if stale is not None:
+            await stale.stop()
+        feed = _Feed(self._kafka, TopicPartition(self.partition.topic, partition), self)
+        await feed.start(from_offset)
+        self._others[partition] = feed
+        return feed
+
+    def unregister(self, request_id: str) -> None:
+        feed = self._where.pop(request_id, None)
+        if feed is not None:
+            feed.sinks.pop(request_id, None)
+            if not feed.sinks:
+                feed.idle_since = time.monotonic()
+        RELAY_STREAMS.set(len(self._where))
+
+    async def _close_idle_feeds(self) -> None:
+        while True:
+            await asyncio.sleep(IDLE_FEED_S / 3)
+            now = time.monotonic()
+            for partition, feed in list(self._others.items()):
+                if not feed.sinks and feed.idle_since is not None and now - feed.idle_since > IDLE_FEED_S:
+                    del self._others[partition]
+                    await feed.stop()
+
+    async def dead_letter(self, record: ConsumerRecord[bytes, bytes], reason: str) -> None:
+        if self._dead_letters is not None:
+            await self._dead_letters.send(record, reason)
+
+    def _feeds(self) -> list[_Feed]:
+        return [self._own, *self._others.values()]
+
+    def streams(self) -> list[StreamCollector]:
+        return [sink.collector for feed in self._feeds() for sink in feed.sinks.values()]
 
     async def stop(self) -> None:
-        self._stop.set()
-        if self._task is not None:
-            await asyncio.gather(self._task, return_exceptions=True)
-        self._fail_all("the gateway is shutting down", ErrorCode.GATEWAY_STOPPING)
-        if self._consumer is not None:
-            await self._consumer.stop()
+        if self._janitor is not None:
+            self._janitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._janitor
+        for feed in self._feeds():
+            await feed.stop()
+            feed.fail_all("the gateway is shutting down", ErrorCode.GATEWAY_STOPPING)

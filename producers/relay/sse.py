@@ -1,6 +1,8 @@
 """OpenAI chat-completion wire formats: ``chat.completion.chunk`` SSE events and the final ``chat.completion``.
 
-Chunks are built as plain dicts and serialised with orjson: this runs once per delta per stream.
+Chunks are built as plain dicts and serialised with orjson: this runs once per delta per stream. Every event but
+``[DONE]`` carries an ``id:`` (``<request id>:<position>``, see ``runtime/streams.py``): a client that lost its
+connection reconnects to any gateway with it as ``Last-Event-ID`` and gets the rest of the stream.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from typing import Any
 
 import orjson
 
+from runtime.streams import event_id
+
 DONE = b"data: [DONE]\n\n"
 
 
@@ -16,33 +20,35 @@ class ChunkFormatter:
     """Formats one request's stream; holds the fields every chunk repeats."""
 
     def __init__(self, request_id: str, model: str, created: int, *, include_usage: bool) -> None:
+        self._request_id = request_id
         self._head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
         self._include_usage = include_usage
 
-    def _event(self, delta: dict[str, Any], finish_reason: str | None) -> bytes:
+    def _event(self, delta: dict[str, Any], finish_reason: str | None, position: int) -> bytes:
         chunk: dict[str, Any] = {
             **self._head,
             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
         }
         if self._include_usage:
             chunk["usage"] = None
-        return b"data: " + orjson.dumps(chunk) + b"\n\n"
+        return self.frame(chunk, position)
+
+    def frame(self, body: dict[str, Any], position: int) -> bytes:
+        """One SSE event with its id."""
+        return (b"id: " + event_id(self._request_id, position).encode() + b"\ndata: " + orjson.dumps(body)
+                + b"\n\n")
 
     def role(self) -> bytes:
-        return self._event({"role": "assistant", "content": ""}, None)
+        return self._event({"role": "assistant", "content": ""}, None, 0)
 
-    def content(self, text: str) -> bytes:
-        return self._event({"content": text}, None)
+    def content(self, text: str, position: int) -> bytes:
+        return self._event({"content": text}, None, position)
 
-    def finish(self, finish_reason: str) -> bytes:
-        return self._event({}, finish_reason)
+    def finish(self, finish_reason: str, position: int) -> bytes:
+        return self._event({}, finish_reason, position)
 
-    def usage(self, usage: dict[str, Any]) -> bytes:
-        return b"data: " + orjson.dumps({**self._head, "choices": [], "usage": usage}) + b"\n\n"
-
-
-def error_event(body: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(body) + b"\n\n"
+    def usage(self, usage: dict[str, Any], position: int) -> bytes:
+        return self.frame({**self._head, "choices": [], "usage": usage}, position)
 
 
 def completion(request_id: str, model: str, created: int, text: str, finish_reason: str,

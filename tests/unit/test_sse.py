@@ -10,26 +10,27 @@ from producers.relay.sse import DONE, ChunkFormatter, completion
 
 
 def parse(event: bytes) -> dict:  # type: ignore[type-arg]
-    assert event.startswith(b"data: ") and event.endswith(b"\n\n")
-    return orjson.loads(event[6:-2])
+    head, _, data = event.partition(b"\n")
+    assert head.startswith(b"id: ") and data.startswith(b"data: ") and event.endswith(b"\n\n")
+    return orjson.loads(data[6:-2])
 
 
 def test_stream_chunks_are_valid_chat_completion_chunks() -> None:
     fmt = ChunkFormatter("chatcmpl-x", "m", 1700000000, include_usage=True)
     role = ChatCompletionChunk.model_validate(parse(fmt.role()))
     assert role.choices[0].delta.role == "assistant"
-    content = ChatCompletionChunk.model_validate(parse(fmt.content(" Paris")))
+    content = ChatCompletionChunk.model_validate(parse(fmt.content(" Paris", 1)))
     assert content.choices[0].delta.content == " Paris" and content.usage is None
-    finish = ChatCompletionChunk.model_validate(parse(fmt.finish("length")))
+    finish = ChatCompletionChunk.model_validate(parse(fmt.finish("length", 2)))
     assert finish.choices[0].finish_reason == "length"
-    usage = ChatCompletionChunk.model_validate(parse(fmt.usage(usage_dict(3, 2, 1))))
+    usage = ChatCompletionChunk.model_validate(parse(fmt.usage(usage_dict(3, 2, 1), 3)))
     assert usage.choices == [] and usage.usage.total_tokens == 5
     assert usage.usage.prompt_tokens_details.cached_tokens == 1
     assert DONE == b"data: [DONE]\n\n"
 
 
 def test_chunks_omit_usage_unless_asked() -> None:
-    assert "usage" not in parse(ChunkFormatter("i", "m", 1, include_usage=False).content("x"))
+    assert "usage" not in parse(ChunkFormatter("i", "m", 1, include_usage=False).content("x", 1))
 
 
 def test_completion_is_a_valid_chat_completion() -> None:

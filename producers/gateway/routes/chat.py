@@ -1,4 +1,9 @@
-"""``POST /v1/chat/completions``: a thin adapter from HTTP to :class:`ChatService`."""
+"""``POST /v1/chat/completions`` and resuming its streams: thin adapters from HTTP to :class:`ChatService`.
+
+A stream is resumed on any gateway by the request a reconnecting client sends: the same ``POST`` with a
+``Last-Event-ID`` header (an SDK retrying), or ``GET /v1/chat/completions/{id}?stream=true`` with ``Last-Event-ID``
+or ``starting_after`` (a browser's ``EventSource``; neither: the whole stream).
+"""
 
 from __future__ import annotations
 
@@ -7,13 +12,20 @@ import logging
 from typing import Any
 
 import orjson
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPBearer
 from pydantic import ValidationError
 
 from producers.gateway.deps import Caller, Context
-from producers.gateway.errors import ApiError, ErrorResponse, bad_request, error_responses, from_validation
+from producers.gateway.errors import (
+    ApiError,
+    ErrorResponse,
+    bad_request,
+    error_responses,
+    from_validation,
+    stream_not_found,
+)
 from producers.gateway.protocol import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -21,6 +33,7 @@ from producers.gateway.protocol import (
     chat_request_schema,
     openapi_schema,
 )
+from runtime.streams import parse_event_id
 from runtime.tracing import child_of
 
 router = APIRouter()
@@ -99,6 +112,11 @@ async def _until_disconnect(request: Request) -> None:
 @router.post("/v1/chat/completions", response_model=None, responses=RESPONSES, openapi_extra=OPENAPI_BODY,
              dependencies=[Depends(_bearer)])
 async def chat_completions(request: Request, ctx: Context, key: Caller) -> Response:
+    last_event_id = request.headers.get("last-event-id")
+    if last_event_id is not None:
+        # A client reconnecting to a stream (its body is the original request's): the rest of that stream.
+        request_id, position = _last_event(last_event_id)
+        return await _resume(request, ctx, key, request_id, position)
     body = parse_body(await request.body())
     traceparent = child_of(request.headers.get("traceparent"))
     accepted = await ctx.chat.accept(
@@ -124,3 +142,47 @@ async def chat_completions(request: Request, ctx: Context, key: Caller) -> Respo
         exc.headers = {**headers, **(exc.headers or {})}
         raise
     return JSONResponse(result, headers=headers)
+
+
+def _last_event(value: str) -> tuple[str, int]:
+    parsed = parse_event_id(value)
+    if parsed is None:
+        raise bad_request(f"The Last-Event-ID header '{value[:200]}' is not an event id of this API "
+                          "(`<completion id>:<position>`, as sent in each event's `id:` field).",
+                          param="Last-Event-ID", code="invalid_last_event_id")
+    return parsed
+
+
+async def _resume(request: Request, ctx: Context, key: Caller, request_id: str, client_has: int) -> Response:
+    traceparent = child_of(request.headers.get("traceparent"))
+    accepted = await ctx.chat.resume(request_id, client_has, key, traceparent=traceparent)
+    return StreamingResponse(ctx.chat.stream(accepted), media_type="text/event-stream",
+                             headers={"x-request-id": request_id, "traceparent": traceparent,
+                                      "cache-control": "no-cache"})
+
+
+@router.get("/v1/chat/completions/{completion_id}", response_model=None, dependencies=[Depends(_bearer)],
+            responses={200: {"description": "With `stream=true`: the rest of the completion's stream, as server-sent "
+                                            "events after the one named by `Last-Event-ID` or `starting_after` "
+                                            "(neither: all of it).",
+                             "content": {"text/event-stream": {"schema": STREAM_EVENT}}},
+                       **error_responses({400: "A malformed `Last-Event-ID` or `starting_after`.",
+                                          401: "No API key, or an unknown one.",
+                                          404: "No such stream: unknown, another organization's, or past its "
+                                               "resume window."})})
+async def get_chat_completion(
+    completion_id: str, request: Request, ctx: Context, key: Caller,
+    stream: bool = False,
+    starting_after: int | None = Query(default=None, ge=-1, le=999_999_999,
+                                       description="The position of the last event the client has."),
+) -> Response:
+    if not stream:
+        raise stream_not_found(completion_id)
+    client_has = -1 if starting_after is None else starting_after
+    last_event_id = request.headers.get("last-event-id")
+    if last_event_id is not None:
+        named, client_has = _last_event(last_event_id)
+        if named != completion_id:
+            raise bad_request("The Last-Event-ID header names another completion than the path.",
+                              param="Last-Event-ID", code="invalid_last_event_id")
+    return await _resume(request, ctx, key, completion_id, client_has)

@@ -1,0 +1,108 @@
+"""Where each request's stream lives, known to every gateway: the mechanism behind resuming a stream anywhere.
+
+Every token of a request is on its reply partition of the token topic (kept a day). A gateway accepting a request
+writes a *stream record* to Redis before the client sees a byte: whose it is (org, user), which reply partition
+carries its tokens and an offset at or before its first token event, and what its client was promised (model,
+creation time, usage chunk). Any gateway can then serve the rest of the stream from the log, after the accepting
+one died or stopped: chat completions (``Last-Event-ID``) and the Responses API (``starting_after``) alike.
+
+A stream record lives ``resume_ttl_s`` (the resume window); a request id without one, or another org's, is
+answered 404. A resuming gateway names itself the stream's *listener*: workers keep generating a stream whose
+accepting gateway is gone while some gateway listens (``inference_workers/presence.py``).
+
+Positions: a stream's events are numbered by the deltas its merge accepts (``schemas/token_stream.py``), which
+every reader of the log computes alike, whatever it coalesced into one chunk: 0 is the stream's start (the role
+chunk), ``k`` the end of its ``k``-th delta, and past the last delta ``K`` come the finish (``K + 1``) and the
+usage (``K + 2``). An SSE event's id is ``<request id>:<position>``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+
+from runtime.redis_client import key
+from runtime.settings import RedisSettings
+
+#: what an event id looks like: ``chatcmpl-…:12``
+ID_SEPARATOR = ":"
+
+
+@dataclass(frozen=True)
+class StreamRecord:
+    request_id: str
+    org_id: str
+    partition: int
+    #: an offset of the reply partition at or before the request's first token event
+    from_offset: int
+    model: str
+    #: the ``created`` of every chunk (Unix seconds), as the accepting gateway sent it
+    created: int
+    include_usage: bool
+    #: the gateway process that accepted it
+    gateway_id: str
+    user: str = ""
+
+    def to_redis(self) -> Mapping[Any, Any]:
+        return {"org": self.org_id, "partition": self.partition, "from": self.from_offset, "model": self.model,
+                "created": self.created, "usage": int(self.include_usage), "gateway": self.gateway_id,
+                "user": self.user}
+
+    @classmethod
+    def from_redis(cls, request_id: str, data: Mapping[Any, Any]) -> StreamRecord | None:
+        try:
+            return cls(request_id, data["org"], int(data["partition"]), int(data["from"]), data["model"],
+                       int(data["created"]), data.get("usage") == "1", data["gateway"], data.get("user", ""))
+        except (KeyError, ValueError):
+            return None  # partly written (a Redis restart between fields cannot happen: one HSET), or foreign
+
+
+def event_id(request_id: str, position: int) -> str:
+    return f"{request_id}{ID_SEPARATOR}{position}"
+
+
+def parse_event_id(value: str) -> tuple[str, int] | None:
+    """``(request id, position)`` of an SSE event id; None when it is not one of ours."""
+    request_id, sep, position = value.strip().rpartition(ID_SEPARATOR)
+    if not sep or not request_id or not position.isdigit() or len(position) > 9:
+        return None
+    return request_id, int(position)
+
+
+class StreamDirectory:
+    def __init__(self, redis: Redis, settings: RedisSettings, *, ttl_s: float) -> None:
+        self._redis = redis
+        self._settings = settings
+        self._ttl_ms = int(ttl_s * 1000)
+
+    def _key(self, request_id: str) -> str:
+        return key(self._settings, "stream", request_id)
+
+    async def record(self, stream: StreamRecord) -> None:
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hset(self._key(stream.request_id), mapping=stream.to_redis())
+            pipe.pexpire(self._key(stream.request_id), self._ttl_ms)
+            await pipe.execute()
+
+    async def lookup(self, request_id: str) -> StreamRecord | None:
+        return StreamRecord.from_redis(request_id, await self._redis.hgetall(self._key(request_id)))
+
+    async def listen(self, request_id: str, gateway_id: str) -> None:
+        """This gateway process now serves the stream (``XX``-like: a record gone meanwhile stays gone)."""
+        await self._redis.eval(_LISTEN, 1, self._key(request_id), gateway_id)
+
+    async def listeners(self, request_ids: list[str]) -> list[str | None]:
+        """The gateway process that resumed each stream (None: none did)."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for request_id in request_ids:
+                pipe.hget(self._key(request_id), "listener")
+            return list(await pipe.execute())
+
+
+_LISTEN = """
+if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'listener', ARGV[1]) return 1 end
+return 0
+"""

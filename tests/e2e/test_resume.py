@@ -1,0 +1,197 @@
+"""Crash-proof streams (issue 10): a stream outlives its gateway.
+
+A client whose gateway was SIGKILLed, or stopped, reconnects to another gateway with the last event id it
+received and gets the rest of its stream, including what was generated while nobody listened, each token once,
+the text identical to an uninterrupted run. Ids that are forged, another org's or past the resume window: 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+
+from tests.conftest import GATEWAY_PORT, SESSION, Caller
+from tests.e2e.conftest import MODEL
+from tests.helpers import ServiceProcess
+
+pytestmark = pytest.mark.e2e
+
+DOOMED_PORT = GATEWAY_PORT + 7
+#: long enough to kill its gateway mid-stream on 2 cores; ignore_eos keeps the length fixed at temperature 0
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}],
+        "temperature": 0, "max_tokens": 160, "ignore_eos": True, "stream": True}
+
+
+@dataclass
+class Received:
+    text: str = ""
+    ids: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    done: bool = False
+    errors: list[dict] = field(default_factory=list)  # type: ignore[type-arg]
+
+    @property
+    def last_id(self) -> str:
+        return self.ids[-1]
+
+    def positions(self) -> list[int]:
+        return [int(i.rpartition(":")[2]) for i in self.ids]
+
+
+def gateway_process(port: int, service_env: dict[str, str], **env: str) -> ServiceProcess:
+    return ServiceProcess(f"gateway-{port}", "gateway",
+                          {**service_env, "KNS_GATEWAY__PORT": str(port),
+                           "KNS_GATEWAY__INSTANCE_ID": f"test-gateway-{port}-{SESSION}", **env},
+                          f"http://127.0.0.1:{port}/health")
+
+
+@pytest.fixture()
+def doomed(gateway: ServiceProcess, service_env: dict[str, str]) -> Iterator[ServiceProcess]:
+    """A gateway of its own, for the test to kill or stop (the session's gateway is where clients resume)."""
+    proc = gateway_process(DOOMED_PORT, service_env)
+    proc.start()
+    try:
+        proc.wait_healthy(120)
+        yield proc
+    finally:
+        proc.stop()
+
+
+async def events(response: httpx.Response) -> AsyncIterator[tuple[str | None, str]]:
+    """(id, data) of each server-sent event."""
+    event_id, data = None, []
+    async for line in response.aiter_lines():
+        if line.startswith("id: "):
+            event_id = line[4:]
+        elif line.startswith("data: "):
+            data.append(line[6:])
+        elif not line and data:
+            yield event_id, "\n".join(data)
+            event_id, data = None, []
+
+
+async def read(response: httpx.Response | AsyncIterator[tuple[str | None, str]], into: Received, *,
+               stop_after: int | None = None) -> Received:
+    """Reads events into ``into`` (to ``[DONE]``, the end, or ``stop_after`` content events). Pass ``events(r)``
+    to go on reading the same response later."""
+    import orjson
+
+    source = events(response) if isinstance(response, httpx.Response) else response
+    async for event_id, data in source:
+        if data == "[DONE]":
+            into.done = True
+            break
+        body = orjson.loads(data)
+        assert event_id is not None, f"an event without id: {data}"
+        into.ids.append(event_id)
+        if "error" in body:
+            into.errors.append(body["error"])
+            continue
+        for choice in body.get("choices", ()):
+            into.text += choice["delta"].get("content") or ""
+            into.finish_reason = choice.get("finish_reason") or into.finish_reason
+        if stop_after is not None and sum(1 for i in into.ids if not i.endswith(":0")) >= stop_after:
+            break
+    return into
+
+
+async def uninterrupted(http: httpx.AsyncClient, caller: Caller) -> Received:
+    async with http.stream("POST", f"http://127.0.0.1:{GATEWAY_PORT}/v1/chat/completions", json=BODY,
+                           headers={"Authorization": f"Bearer {caller.secret}"}) as response:
+        assert response.status_code == 200
+        return await read(response, Received())
+
+
+async def resume(http: httpx.AsyncClient, caller: Caller, last_id: str, port: int = GATEWAY_PORT) -> Received:
+    async with http.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=BODY,
+                           headers={"Authorization": f"Bearer {caller.secret}", "Last-Event-ID": last_id}
+                           ) as response:
+        assert response.status_code == 200, (await response.aread()).decode()
+        return await read(response, Received())
+
+
+async def test_a_stream_resumes_on_another_gateway_after_its_gateway_is_killed(doomed: ServiceProcess,
+                                                                               caller: Caller) -> None:
+    async with httpx.AsyncClient(timeout=120) as http:
+        reference = await uninterrupted(http, caller)
+        assert reference.finish_reason == "length" and reference.done
+        before = Received()
+        async with http.stream("POST", f"http://127.0.0.1:{DOOMED_PORT}/v1/chat/completions", json=BODY,
+                               headers={"Authorization": f"Bearer {caller.secret}"}) as response:
+            await read(response, before, stop_after=5)
+            doomed.kill()  # SIGKILL mid-stream: no clean-up, its reply partition's relay gone
+        # Longer than the gateway's liveness TTL: the worker sees it gone and goes on, for nobody, meanwhile.
+        await asyncio.sleep(6)
+        after = await resume(http, caller, before.last_id)
+    assert not after.errors and after.done and after.finish_reason == "length"
+    assert before.text + after.text == reference.text  # each token once, in order, nothing missing
+    positions = before.positions() + after.positions()
+    assert positions == sorted(positions) and len(set(positions)) == len(positions)
+    assert after.ids[0].rpartition(":")[0] == before.last_id.rpartition(":")[0]
+
+
+async def test_a_stopping_gateway_hands_its_streams_over_and_they_finish_elsewhere(doomed: ServiceProcess,
+                                                                                   caller: Caller) -> None:
+    async with httpx.AsyncClient(timeout=120) as http:
+        reference = await uninterrupted(http, caller)
+        before = Received()
+        async with http.stream("POST", f"http://127.0.0.1:{DOOMED_PORT}/v1/chat/completions", json=BODY,
+                               headers={"Authorization": f"Bearer {caller.secret}"}) as response:
+            stream = events(response)
+            await read(stream, before, stop_after=3)
+            started = time.monotonic()
+            stopping = asyncio.ensure_future(asyncio.to_thread(doomed.stop))
+            with pytest.raises(httpx.HTTPError):  # closed without [DONE]: the signal to reconnect
+                await read(stream, before)
+        assert not before.done
+        handed_over_s = time.monotonic() - started
+        after = await resume(http, caller, before.last_id)
+        assert await stopping == 0
+    assert handed_over_s < 5, f"the stream was handed over after {handed_over_s:.1f} s"
+    assert not after.errors and after.done and after.finish_reason == "length"
+    assert before.text + after.text == reference.text
+
+
+async def test_forged_foreign_and_expired_ids_get_404_and_a_finished_stream_replays(
+        gateway: ServiceProcess, service_env: dict[str, str], caller: Caller, make_caller) -> None:  # type: ignore[no-untyped-def]
+    other_org = make_caller(org=f"org-resume-other-{SESSION}")
+    short = gateway_process(DOOMED_PORT, service_env, KNS_GATEWAY__RESUME_TTL_S="3")
+    short.start()
+    try:
+        short.wait_healthy(120)
+        async with httpx.AsyncClient(timeout=120) as http:
+            small = {**BODY, "max_tokens": 8}
+            async with http.stream("POST", f"http://127.0.0.1:{DOOMED_PORT}/v1/chat/completions", json=small,
+                                   headers={"Authorization": f"Bearer {caller.secret}"}) as response:
+                expiring = await read(response, Received())
+            finished = await uninterrupted(http, caller)
+            request_id = finished.last_id.rpartition(":")[0]
+
+            async def status(secret: str, last_id: str) -> tuple[int, dict]:  # type: ignore[type-arg]
+                answer = await http.post(f"http://127.0.0.1:{GATEWAY_PORT}/v1/chat/completions", json=BODY,
+                                         headers={"Authorization": f"Bearer {secret}", "Last-Event-ID": last_id})
+                return answer.status_code, answer.json()
+
+            forged = await status(caller.secret, "chatcmpl-00000000000000000000000000000000:3")
+            foreign = await status(other_org.secret, f"{request_id}:3")
+            malformed = await status(caller.secret, "not an event id")
+            await asyncio.sleep(4)
+            expired = await status(caller.secret, expiring.ids[1])
+            # The owner replays a finished stream from the start (GET, as an EventSource would).
+            async with http.stream("GET", f"http://127.0.0.1:{GATEWAY_PORT}/v1/chat/completions/{request_id}",
+                                   params={"stream": "true"},
+                                   headers={"Authorization": f"Bearer {caller.secret}"}) as response:
+                replay = await read(response, Received())
+    finally:
+        short.stop()
+    for code, body in (forged, foreign, expired):
+        assert code == 404 and body["error"]["code"] == "not_found", body
+    assert foreign[1]["error"]["message"] == forged[1]["error"]["message"].replace(
+        "chatcmpl-00000000000000000000000000000000", request_id)  # says nothing about whose it is
+    assert malformed[0] == 400 and malformed[1]["error"]["param"] == "Last-Event-ID"
+    assert replay.text == finished.text and replay.done and replay.ids[-1] == finished.ids[-1]
