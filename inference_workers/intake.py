@@ -120,8 +120,10 @@ class Job:
     last_delivery: Delivery | None = None
     in_flight: set[Delivery] = field(default_factory=set)
     #: what the client is known to have when it stops receiving: a gateway's cancel says how many tokens it
-    #: delivered
+    #: delivered; a stream nobody relays any more had at most what was emitted while a gateway was last seen
+    #: relaying it (its own, or one that resumed it)
     received_cap: int | None = None
+    attended_tokens: int = 0
     #: generation is over and its outcome being committed: aborting it now would only lose the commit
     finalizing: bool = False
 
@@ -308,12 +310,21 @@ class Intake:
             job.received_cap = event.delivered_tokens
         self._abort(job, _cause(event))
 
+    def attended(self, request_id: str) -> None:
+        """A gateway relaying this stream (its own, or one that resumed it) was seen alive: what it emitted so far
+        may have reached the client."""
+        job = self.jobs.get(request_id)
+        if job is not None:
+            job.attended_tokens = job.tokens
+
     def cancel_unattended(self, request_id: str) -> bool:
-        """Nobody listens to this stream any more (its gateway is gone, nobody resumed it): stop generating it.
-        Billed for what it generated: its tokens stay on the log for a client that resumes late."""
+        """Nobody listens to this stream any more (its gateway is gone, nobody resumed it within the window): stop
+        generating it, and bill no more than was emitted while a gateway was last seen relaying it."""
         job = self.jobs.get(request_id)
         if job is None:
             return False
+        if job.abort_cause is None:
+            job.received_cap = job.attended_tokens
         self._abort(job, "unattended")
         return True
 

@@ -5,8 +5,8 @@ A gateway process announces itself with a liveness key in Redis (renewed with it
 (``ReplyTo.gateway_id``), and a gateway that resumes a stream names itself the stream's listener
 (``runtime/streams.py``). Every few seconds the worker looks up the gateways of what it is generating. A stream
 whose accepting gateway and listener are both gone for ``grace_s`` — the window its client has to reconnect
-elsewhere — is cancelled, billed for what it generated (those tokens stay on the log, resumable). When Redis
-cannot be asked, nothing is cancelled on a guess.
+elsewhere — is cancelled, billed for what was emitted while a gateway was last seen relaying it (a client resuming
+later still gets the rest from the log, unbilled). When Redis cannot be asked, nothing is cancelled on a guess.
 
 Only gateway ids of the form ``instance/incarnation`` announce themselves (older gateways did not): others are
 never taken for gone.
@@ -66,6 +66,7 @@ class GatewayPresence:
             request_id = job.request.request_id
             if alive[job.request.reply.gateway_id] or request_id in listened:
                 self._unattended_since.pop(request_id, None)
+                self._intake.attended(request_id)
                 continue
             since = self._unattended_since.setdefault(request_id, now)
             if now - since >= self._grace and self._intake.cancel_unattended(request_id):

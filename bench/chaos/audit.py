@@ -87,6 +87,10 @@ class Table:
     taken_over: int = 0
     affected_streams: int = 0
     recover_s: dict[str, float | None] = field(default_factory=dict)
+    #: streams whose client reconnected to another gateway and got the rest (Last-Event-ID), and the time from the
+    #: last chunk before the break to the first one after it
+    resumed_streams: int = 0
+    resume_gap_s: dict[str, float | None] = field(default_factory=dict)
     ledger_minus_replay: int = 0
     billed_for_nobody: int = 0
     #: tokens a client received that its bill does not count (or a bill missing for a stream that got tokens)
@@ -147,6 +151,9 @@ async def audit(scenario: str, settings: Settings, kafka: KafkaSettings, org_id:
     silences = [s.longest_silence() for s in streams if s.longest_silence() > AFFECTED_S]
     table.affected_streams = len(silences)
     table.recover_s = {k: v for k, v in percentiles(silences).items() if k in ("p50", "p99")}
+    table.resumed_streams = sum(1 for s in streams if s.resumes)
+    gaps = [g for s in streams for g in s.resume_gaps]
+    table.resume_gap_s = {k: v for k, v in percentiles(gaps).items() if k in ("p50", "p99")}
     rows = await _billing(table, settings, kafka, org_id, delivered, started_at, billing_wait_s)
     if redis is not None:
         table.spend_wiped = redis_wiped

@@ -61,6 +61,11 @@ def render(tables: list[Table]) -> RichTable:
         r = t.recover_s
         return "-" if r.get("p50") is None else f"{r['p50']:.1f} / {r['p99']:.1f} s ({t.affected_streams})"
 
+    def resumed(t: Table) -> str:
+        r = t.resume_gap_s
+        gap = "" if r.get("p50") is None else f", gap {r['p50']:.2f} / {r['p99']:.2f} s"
+        return f"{t.resumed_streams}{gap}"
+
     rows = {
         "sent": lambda t: str(t.sent),
         "completed": lambda t: str(t.completed),
@@ -71,6 +76,7 @@ def render(tables: list[Table]) -> RichTable:
         "tokens generated twice": lambda t: str(t.tokens_generated_twice),
         "requests taken over": lambda t: str(t.taken_over),
         "recovery p50 / p99 (streams)": recover,
+        "streams resumed elsewhere (gap p50 / p99)": resumed,
         "ledger minus replay": lambda t: str(t.ledger_minus_replay),
         "billed for nobody": lambda t: str(t.billed_for_nobody),
         "spend minus ledger (USD)": lambda t: t.spend_minus_ledger_usd + (" (wiped)" if t.spend_wiped else ""),

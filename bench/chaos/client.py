@@ -3,11 +3,17 @@
 Unlike the benchmark load generator, each request keeps its whole received text, the time of every content
 chunk (to measure how long a fault silenced it), and exactly how it ended: finished, an error with its code (an
 HTTP status or an SSE error event), or a broken connection.
+
+With several gateways the client does what an SDK retrying or a browser's ``EventSource`` does when a stream
+breaks (its gateway died or stopped: the connection closed without ``[DONE]``): it reconnects to the next gateway
+with the last event id it received (``Last-Event-ID``), or asks for the whole stream by its id when no event had
+arrived yet, and counts the resume.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from dataclasses import asdict, dataclass, field
@@ -22,7 +28,13 @@ class Stream:
     index: int
     prompt: str
     max_tokens: int
+    #: the gateway it is sent to first (an index into the load's gateways)
+    gateway: int = 0
     request_id: str | None = None
+    last_event_id: str | None = None
+    #: reconnections that continued the stream on another gateway, and each one's time without a connection
+    resumes: int = 0
+    resume_gaps: list[float] = field(default_factory=list)
     status: int | None = None
     #: stop / length / content_filter when the worker finished it
     finish_reason: str | None = None
@@ -66,29 +78,69 @@ def body(stream: Stream, model: str, *, temperature: float, seed: int | None) ->
     return orjson.dumps(payload)
 
 
-async def run_stream(client: httpx.AsyncClient, stream: Stream, api_key: str, model: str, *, temperature: float,
-                     seed: int | None, t0: float) -> Stream:
+#: reconnection attempts per stream (each to the next gateway), and the pause before each
+MAX_RECONNECTS = 12
+RECONNECT_PAUSE_S = 0.2
+
+
+async def run_stream(clients: list[httpx.AsyncClient], stream: Stream, api_key: str, model: str, *,
+                     temperature: float, seed: int | None, t0: float) -> Stream:
     stream.started = time.monotonic() - t0
+    gateway = stream.gateway
     try:
-        async with client.stream("POST", "/chat/completions", content=body(stream, model, temperature=temperature,
-                                                                            seed=seed),
-                                 headers={"Authorization": f"Bearer {api_key}",
-                                          "Content-Type": "application/json"}) as response:
-            stream.status = response.status_code
-            if response.status_code != 200:
-                error = orjson.loads(await response.aread()).get("error", {})
-                stream.error = f"{response.status_code} {error.get('code')}"
-                return stream
-            async for line in response.aiter_lines():
-                _take(stream, line, time.monotonic() - t0)
-    except (httpx.HTTPError, orjson.JSONDecodeError) as exc:
-        stream.error = stream.error or f"connection: {type(exc).__name__}"
+        for attempt in range(MAX_RECONNECTS + 1):
+            if attempt:
+                if len(clients) == 1:
+                    return stream  # nowhere else to go
+                await asyncio.sleep(RECONNECT_PAUSE_S)
+                gateway = (gateway + 1) % len(clients)
+            try:
+                # Once the gateway named the request, a reconnection resumes it; before that, it asks again.
+                if await _connect(clients[gateway], stream, api_key, model, temperature=temperature, seed=seed,
+                                  t0=t0, resuming=stream.request_id is not None):
+                    return stream
+            except (httpx.HTTPError, orjson.JSONDecodeError) as exc:
+                stream.error = f"connection: {type(exc).__name__}"
+        return stream
     finally:
         stream.ended = time.monotonic() - t0
-    return stream
+
+
+async def _connect(client: httpx.AsyncClient, stream: Stream, api_key: str, model: str, *, temperature: float,
+                   seed: int | None, t0: float, resuming: bool) -> bool:
+    """One connection: the request, or its resume. True when the stream ended (finished or a final error)."""
+    headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
+    method, url, content = "POST", "/chat/completions", body(stream, model, temperature=temperature, seed=seed)
+    if resuming and stream.last_event_id is not None:
+        headers["Last-Event-ID"] = stream.last_event_id
+    elif resuming and stream.request_id is not None:
+        method, url, content = "GET", f"/chat/completions/{stream.request_id}?stream=true", b""
+    gap_from = stream.chunk_times[-1] if stream.chunk_times else stream.started
+    async with client.stream(method, url, content=content or None, headers=headers) as response:
+        stream.status = response.status_code
+        if response.status_code != 200:
+            error = orjson.loads(await response.aread()).get("error", {})
+            stream.error = f"{response.status_code} {error.get('code')}"
+            # A resume refused for a moment (the stream registry unavailable, the gateway stopping) is tried again
+            return not resuming or response.status_code not in (502, 503)
+        stream.request_id = stream.request_id or response.headers.get("x-request-id")
+        stream.error = None
+        if resuming:
+            stream.resumes += 1
+        first = True
+        async for line in response.aiter_lines():
+            had = len(stream.chunk_times)
+            _take(stream, line, time.monotonic() - t0)
+            if resuming and first and len(stream.chunk_times) > had:
+                stream.resume_gaps.append(round(stream.chunk_times[-1] - gap_from, 4))
+                first = False
+    return stream.done
 
 
 def _take(stream: Stream, line: str, now: float) -> None:
+    if line.startswith("id: "):
+        stream.last_event_id = line[4:]
+        return
     if not line.startswith("data: "):
         return
     if line == "data: [DONE]":
@@ -113,11 +165,11 @@ def _take(stream: Stream, line: str, now: float) -> None:
 class Load:
     """``requests`` streams, ``concurrency`` at a time, started as soon as a slot frees."""
 
-    def __init__(self, base_url: str, api_key: str, model: str, *, requests: int, concurrency: int,
+    def __init__(self, base_urls: list[str], api_key: str, model: str, *, requests: int, concurrency: int,
                  max_tokens: int, label: str, temperature: float = 0.0, seed: int | None = None) -> None:
-        self.base_url, self.api_key, self.model = base_url, api_key, model
-        self.streams = [Stream(i, f"chaos {label} request {i}: tell me a story", max_tokens)
-                        for i in range(requests)]
+        self.base_urls, self.api_key, self.model = base_urls, api_key, model
+        self.streams = [Stream(i, f"chaos {label} request {i}: tell me a story", max_tokens,
+                               gateway=i % len(base_urls)) for i in range(requests)]
         self.concurrency = concurrency
         self.temperature, self.seed = temperature, seed
         self.t0 = time.monotonic()
@@ -127,22 +179,28 @@ class Load:
 
     async def more(self, n: int) -> None:
         """``n`` more streams, now, all at once (a scenario's second phase); they count with the others."""
-        extra = [Stream(len(self.streams) + i, f"{self.streams[0].prompt} (after {i})", self.streams[0].max_tokens)
-                 for i in range(n)]
+        extra = [Stream(len(self.streams) + i, f"{self.streams[0].prompt} (after {i})", self.streams[0].max_tokens,
+                        gateway=i % len(self.base_urls)) for i in range(n)]
         self.streams += extra
-        async with httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(600.0, connect=10.0)) as client:
-            await asyncio.gather(*(run_stream(client, s, self.api_key, self.model, temperature=self.temperature,
+        async with contextlib.AsyncExitStack() as stack:
+            clients = [await stack.enter_async_context(self._client(url, n + 4)) for url in self.base_urls]
+            await asyncio.gather(*(run_stream(clients, s, self.api_key, self.model, temperature=self.temperature,
                                               seed=self.seed, t0=self.t0) for s in extra))
+
+    @staticmethod
+    def _client(base_url: str, connections: int) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(600.0, connect=10.0),
+                                 limits=httpx.Limits(max_connections=connections))
 
     async def run(self, progress: Any = None) -> list[Stream]:
         limit = asyncio.Semaphore(self.concurrency)
-        timeout = httpx.Timeout(600.0, connect=10.0)
-        async with httpx.AsyncClient(base_url=self.base_url, timeout=timeout,
-                                     limits=httpx.Limits(max_connections=self.concurrency + 4)) as client:
+        async with contextlib.AsyncExitStack() as stack:
+            clients = [await stack.enter_async_context(self._client(url, self.concurrency + 4))
+                       for url in self.base_urls]
 
             async def one(stream: Stream) -> None:
                 async with limit:
-                    await run_stream(client, stream, self.api_key, self.model, temperature=self.temperature,
+                    await run_stream(clients, stream, self.api_key, self.model, temperature=self.temperature,
                                      seed=self.seed, t0=self.t0)
                     if progress is not None:
                         progress()

@@ -97,6 +97,10 @@ class ChaosEnv:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.ports.gateway(0)}/v1"
 
+    @property
+    def base_urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{self.ports.gateway(i)}/v1" for i in range(len(self.gateways))]
+
     def kafka(self) -> object:
         return self.settings.kafka.model_copy(update={"namespace": self.namespace})
 

@@ -28,11 +28,12 @@ async def run_scenario(settings: Settings, scenario: Scenario, shape: LoadShape,
                        ) -> tuple[Table, list[Stream], dict[str, Any]]:
     env = ChaosEnv(settings, Ports(port_base), scenario.knobs(Knobs(engine=engine)))
     try:
-        say(f"starting a stack of its own (namespace {env.namespace}, {scenario.workers} workers, {engine} engine)")
-        await env.start(workers=scenario.workers)
+        say(f"starting a stack of its own (namespace {env.namespace}, {scenario.workers} workers, "
+            f"{scenario.gateways} gateways, {engine} engine)")
+        await env.start(workers=scenario.workers, gateways=scenario.gateways)
 
         def new_load() -> Load:
-            return Load(env.base_url, env.api_key, settings.model.served_name, requests=shape.requests,
+            return Load(env.base_urls, env.api_key, settings.model.served_name, requests=shape.requests,
                         concurrency=shape.concurrency, max_tokens=shape.max_tokens,
                         label=f"{scenario.name}-{env.run_id}", temperature=shape.temperature, seed=shape.seed)
 
@@ -53,7 +54,8 @@ async def run_scenario(settings: Settings, scenario: Scenario, shape: LoadShape,
                             synthetic=engine == "synthetic", reference=reference, redis=env.redis_settings(),
                             redis_wiped=scenario.name == "restart-redis")
         context = {"namespace": env.namespace, "engine": engine, "knobs": env.knobs.__dict__,
-                   "workers": scenario.workers, "shape": shape.__dict__, "summary": scenario.summary}
+                   "workers": scenario.workers, "gateways": scenario.gateways, "shape": shape.__dict__,
+                   "summary": scenario.summary}
         return table, streams, context
     finally:
         await env.stop()

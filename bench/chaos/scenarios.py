@@ -15,8 +15,9 @@ from ops.stack.process import stop as stop_pid
 class Scenario(Protocol):
     name: str
     summary: str
-    #: workers running when the load starts
+    #: workers and gateways running when the load starts (the load spreads its streams over the gateways)
     workers: int
+    gateways: int
 
     def knobs(self, knobs: Knobs) -> Knobs:
         """The services' settings this scenario needs (shorter deadlines, a smaller engine)."""
@@ -44,6 +45,7 @@ class Base:
     name: str = ""
     summary: str = ""
     workers: int = 2
+    gateways: int = 1
     fault_at_s: float = 1.5
 
     def knobs(self, knobs: Knobs) -> Knobs:
@@ -182,7 +184,39 @@ class TimeoutStorm(Base):
         await load.more(self.after)  # served normally: nothing queued for nobody stands in their way
 
 
+@dataclass
+class KillGateway(Base):
+    name: str = "kill-gateway"
+    summary: str = ("SIGKILL one of two gateways mid-stream; its clients resume on the other with Last-Event-ID; "
+                    "its supervisor starts it again")
+    gateways: int = 2
+
+    async def inject(self, env: ChaosEnv, load: Load, say: Say) -> None:
+        await _until(load, self.fault_at_s)
+        pid = env.kill_service(env.gateways[0])
+        say(f"killed gateway 0 (pid {pid}) at {load.now():.1f} s")
+        await env.gateways[0].wait(300)
+        say(f"gateway 0 healthy again at {load.now():.1f} s")
+
+
+@dataclass
+class RollGateways(Base):
+    name: str = "roll-gateways"
+    summary: str = ("SIGTERM each of two gateways in turn (a rolling deploy): open streams are handed over and "
+                    "resumed on the other gateway")
+    gateways: int = 2
+
+    async def inject(self, env: ChaosEnv, load: Load, say: Say) -> None:
+        await _until(load, self.fault_at_s)
+        for i, gateway in enumerate(env.gateways):
+            await asyncio.to_thread(gateway.stop)
+            say(f"gateway {i} stopped at {load.now():.1f} s")
+            gateway.start()
+            await gateway.wait(300)
+            say(f"gateway {i} back at {load.now():.1f} s")
+
+
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     KillWorker(), RollWorkers(), AddWorker(), RestartBroker(), StopCassandra(), RestartRedis(), FinalizeCrash(),
-    TimeoutStorm(),
+    TimeoutStorm(), KillGateway(), RollGateways(),
 )}

@@ -65,3 +65,14 @@ async def test_restart_the_broker(stack: Settings) -> None:
 
 async def test_stop_cassandra(stack: Settings) -> None:
     await chaos(stack, "stop-cassandra")
+
+
+async def test_kill_a_gateway(stack: Settings) -> None:
+    table = await chaos(stack, "kill-gateway")
+    assert table.completed == table.sent  # the dead gateway's clients resumed on the other gateway
+    assert table.resumed_streams > 0
+
+
+async def test_roll_the_gateways(stack: Settings) -> None:
+    table = await chaos(stack, "roll-gateways")
+    assert table.completed == table.sent and table.resumed_streams > 0

@@ -92,10 +92,12 @@ async def test_a_takeover_of_a_request_with_stop_strings_loses_no_held_back_text
     assert text == uninterrupted, f"client text {text!r}\n != uninterrupted {uninterrupted!r}"
 
 
-async def test_tokens_generated_after_the_gateway_died_are_billed_as_they_stay_resumable() -> None:
-    """Issue 10: a stream whose gateway died goes on for the resume window (``unattended_grace_s``), its tokens
-    go to the log and a client resuming on another gateway receives them; when nobody resumed it, it is
-    cancelled, billed for what it generated (the client can still fetch those tokens), never for more."""
+async def test_tokens_generated_after_the_gateway_died_are_not_billed() -> None:
+    """Promise 2 (completion = tokens the client received). The gateway process is killed after its client
+    received 2 tokens. The worker only notices after ``unattended_grace_s`` (15 s; presence.py:48-66) and
+    bills everything generated until then (intake.py:455): at ~20 tokens/s per stream that is ~300 tokens per
+    stream nobody received, for every stream of the dead gateway. Documented as 'billed for what was
+    generated, as a client that hangs up' - but a hang-up is noticed in milliseconds, a dead gateway in 15 s."""
 
     class Redis:
         alive = True
@@ -121,10 +123,8 @@ async def test_tokens_generated_after_the_gateway_died_are_billed_as_they_stay_r
     await presence.check()
     await worker.settle()
     (usage,) = group.usage
-    generated = sum(len(e.token_ids) for e in group.log.events(req.request_id))
-    assert usage.finish_reason == "cancelled" and generated > received
-    assert usage.completion_tokens == generated, (
-        f"billed {usage.completion_tokens} completion tokens; {generated} were generated and are resumable")
+    assert usage.completion_tokens == received, (
+        f"billed {usage.completion_tokens} completion tokens; the client received {received}")
 
 
 class FakeTxnProducer:
