@@ -45,7 +45,7 @@ from runtime.metrics import LIMITER_SETTLED, WORKER_FINALIZE_FAILURES, WORKER_TX
 from runtime.tracing import to_headers
 from schemas.codec import codec_for
 from schemas.errors import FatalError
-from schemas.events import ErrorCode, TokenEvent, UsageEvent
+from schemas.events import ErrorCode, StoredCompletion, TokenEvent, UsageEvent
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,8 @@ class Finished:
     traceparent: str | None
     last_delivery: Delivery | None
     committed: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    #: the completion to store (its client asked: ``store: true``), written in the same transaction as the final
+    stored: StoredCompletion | None = None
 
     def without_text(self, reason: str) -> Finished:
         """The same outcome, recorded without its text: what remains when the full final cannot be written. The
@@ -105,6 +107,7 @@ class Finished:
         if record is not None:
             record = record.model_copy(update={"completion_tokens": record.completion_tokens - dropped,
                                                "finish_reason": "error"})
+        # Not stored either: what made the final unwritable (its size, usually) would refuse the stored copy too.
         return Finished(final, record, self.reply_partition, self.source, self.offset, self.traceparent, None,
                         self.committed)
 
@@ -116,6 +119,7 @@ MAX_UNSETTLED = 100_000
 
 class Finalizer:
     def __init__(self, transactions: PartitionTransactions, *, token_topic: str, usage_topic: str, group_id: str,
+                 stored_topic: str | None = None,
                  offsets: OffsetTracker, claims: ClaimsT, batch_max: int, give_up_s: float,
                  on_partition_lost: PartitionLostCallback | None = None, faults: Faults = NO_FAULTS,
                  settlements: SettlementsT | None = None) -> None:
@@ -126,6 +130,8 @@ class Finalizer:
         self._settle_retry: asyncio.Task[None] | None = None
         self._token_topic = token_topic
         self._usage_topic = usage_topic
+        self._stored_topic = stored_topic
+        self._stored = codec_for(StoredCompletion)
         self._group_id = group_id
         self._offsets = offsets
         self._claims = claims
@@ -289,6 +295,9 @@ class Finalizer:
                                     partition=item.reply_partition, headers=headers)
                 if item.usage is not None:
                     await producer.send(self._usage_topic, value=self._usage.encode(item.usage), key=key,
+                                        headers=headers)
+                if item.stored is not None and self._stored_topic is not None:
+                    await producer.send(self._stored_topic, value=self._stored.encode(item.stored), key=key,
                                         headers=headers)
                 self._offsets.done(item.source, item.offset)
             offsets = self._offsets.committable([tp])

@@ -69,6 +69,7 @@ from schemas.events import (
     ControlAction,
     ControlEvent,
     ErrorCode,
+    StoredCompletion,
     TokenEvent,
     TokenUsage,
     UsageEvent,
@@ -126,6 +127,8 @@ class Job:
     attended_tokens: int = 0
     #: generation is over and its outcome being committed: aborting it now would only lose the commit
     finalizing: bool = False
+    #: the completion's text so far, earlier attempts' included (kept only when the client asked to store it)
+    text_parts: list[str] = field(default_factory=list)
 
     def describe(self) -> dict[str, object]:
         return {"request_id": self.request.request_id, "attempt": self.attempt, "tokens": self.tokens,
@@ -441,6 +444,8 @@ class Intake:
     @staticmethod
     def _took_over(job: Job, prefix: EmittedPrefix) -> None:
         job.prefix, job.tokens, job.ran = prefix, prefix.tokens, prefix.tokens > 0
+        if job.request.store:
+            job.text_parts = [prefix.text]
 
     async def _read_prefix(self, job: Job) -> EmittedPrefix:
         """What the request emitted, retried while Kafka is unreachable: without it, neither what to generate
@@ -494,6 +499,8 @@ class Intake:
             job.seq += 1
             job.last_delivery = delivery
             job.tokens += len(ids)
+            if request.store:
+                job.text_parts.append(text)
             WORKER_TOKENS_OUT.inc(len(ids))
         return Outcome("error", [], "", "the engine ended the stream without a finish reason",
                        ErrorCode.GENERATION_FAILED.value)
@@ -552,14 +559,23 @@ class Intake:
             finished_at=utcnow(), conversation_id=request.conversation_id,
         ) if billed else None
         WORKER_TOKENS_OUT.inc(len(outcome.final_ids))
+        stored = _stored(request, "".join(job.text_parts) + outcome.final_text, final) if request.store else None
         await self._finalizer.finish(Finished(final, record, request.reply.partition, job.source, job.offset,
-                                              job.traceparent, job.last_delivery))
+                                              job.traceparent, job.last_delivery, stored=stored))
         WORKER_FINISHED.labels(finish_reason=outcome.finish_reason).inc()
         log.info("request finished", extra={"finish_reason": outcome.finish_reason, "completion_tokens": completion,
                                             "attempt": job.attempt, "billed": billed})
 
     def state(self) -> list[dict[str, object]]:
         return [job.describe() for job in self.jobs.values()]
+
+
+def _stored(request: ChatRequest, text: str, final: TokenEvent) -> StoredCompletion:
+    assert final.usage is not None and final.finish_reason is not None
+    return StoredCompletion(completion_id=request.request_id, org_id=request.org_id, key_id=request.key_id,
+                            user=request.user, model=request.model, created_at=request.created_at,
+                            messages=request.messages, metadata=request.metadata, text=text,
+                            finish_reason=final.finish_reason, usage=final.usage, error=final.error)
 
 
 def _past_deadline(job: Job) -> bool:

@@ -120,6 +120,7 @@ class Worker:
             offsets = OffsetTracker()
             finalizer = Finalizer(
                 transactions, token_topic=token_topic, usage_topic=kafka.topic(TOPICS.usage.name), group_id=group,
+                stored_topic=kafka.topic(TOPICS.stored_completions.name),
                 offsets=offsets, claims=claims, batch_max=worker.finalize_batch_max,
                 give_up_s=worker.finalize_give_up_s, faults=Faults(s.faults),
                 settlements=RateLimiter(redis, s.redis),

@@ -46,7 +46,7 @@ def worker() -> None:
 
 
 @app.command()
-def processor(name: str = typer.Argument(..., help="safety, billing or abuse")) -> None:
+def processor(name: str = typer.Argument(..., help="safety, billing, abuse or store")) -> None:
     """Run one Faust stream processor in the foreground, restarted when it dies."""
     from stream_processors.runner import PROCESSORS, run
 

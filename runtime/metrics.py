@@ -47,6 +47,10 @@ GATEWAY_HANDOVERS = Counter(
     "kns_gateway_stream_handovers_total", "Streams this gateway closed while stopping, for their clients to resume "
     "elsewhere (the generation goes on)"
 )
+STORED_COMPLETIONS = Counter(
+    "kns_store_completions_total", "Stored completions written by the store processor (created: a new row)",
+    ["created"]
+)
 GATEWAY_LEASE = Counter(
     "kns_gateway_reply_lease_renewals_total", "Reply-partition lease renewals, by outcome", ["state"]
 )

@@ -229,12 +229,13 @@ class FaultSettings(BaseModel):
 
 
 class ProcessorSettings(BaseModel):
-    """The Faust stream processors (one process each: safety, billing, abuse)."""
+    """The Faust stream processors (one process each: safety, billing, abuse, store)."""
 
     host: str = "127.0.0.1"
     safety_port: int = 8201
     billing_port: int = 8202
     abuse_port: int = 8203
+    store_port: int = 8204
     # How long a dead member keeps its partitions; with static membership a restarted one takes them back at once.
     session_timeout_s: float = 10.0
     heartbeat_interval_s: float = 1.0

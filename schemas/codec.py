@@ -28,6 +28,7 @@ from schemas.events import (
     KeyRecord,
     OrgRecord,
     SafetyVerdict,
+    StoredCompletion,
     TokenEvent,
     UsageEvent,
 )
@@ -47,6 +48,7 @@ SCHEMA_DIRS: dict[type[Event], str] = {
     BudgetAlert: "budget_alert",
     OrgRecord: "org_record",
     KeyRecord: "key_record",
+    StoredCompletion: "stored_completion",
 }
 
 E = TypeVar("E", bound=Event)

@@ -61,6 +61,9 @@ class ChatRequest(Event):
     client_addr: str | None = None
     #: v2: generation must start before this time, or the request is refused (not generated, not billed)
     deadline_at: datetime | None = None
+    #: v3: the client asked to store the completion (``store: true``), with its metadata
+    store: bool = False
+    metadata: dict[str, str] = Field(default_factory=dict)
 
     @property
     def partition_key(self) -> str:
@@ -96,6 +99,23 @@ class TokenEvent(Event):
     @property
     def is_final(self) -> bool:
         return self.finish_reason is not None
+
+
+class StoredCompletion(Event):
+    """A finished completion its client asked to store: the request's messages and metadata, the text, the usage."""
+
+    completion_id: str
+    org_id: str
+    key_id: str
+    user: str | None = None
+    model: str
+    created_at: datetime
+    messages: list[ChatMessage]
+    metadata: dict[str, str] = Field(default_factory=dict)
+    text: str
+    finish_reason: str
+    usage: TokenUsage
+    error: str | None = None
 
 
 class ErrorCode(enum.StrEnum):

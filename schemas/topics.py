@@ -19,6 +19,7 @@ from schemas.events import (
     KeyRecord,
     OrgRecord,
     SafetyVerdict,
+    StoredCompletion,
     TokenEvent,
     UsageEvent,
 )
@@ -64,6 +65,7 @@ class TopicMap:
     tokens: TopicSpec
     control: TopicSpec
     usage: TopicSpec
+    stored_completions: TopicSpec
     verdicts: TopicSpec
     alerts: TopicSpec
     budget_alerts: TopicSpec
@@ -153,6 +155,17 @@ TOPICS = TopicMap(
         producers=("inference workers (transactional)",),
         consumers=("billing aggregator", "abuse detector", "reconcile", "usage export"),
         description="One committed usage record per finished request: the billing source of truth.",
+    ),
+    stored_completions=TopicSpec(
+        name="llm.completions.stored.v1",
+        event=StoredCompletion,
+        key="completion_id",
+        partitions=6,
+        retention_ms=7 * DAY_MS,
+        producers=("inference workers (in the transaction of the request's final event)",),
+        consumers=("store processor (Cassandra: stored_completions, stored_completions_by_org)",),
+        description="Finished completions whose clients asked to store them (store: true): messages, metadata, "
+                    "text and usage, one record each; what GET /v1/chat/completions/{id} and its list serve.",
     ),
     verdicts=TopicSpec(
         name="llm.safety.verdicts.v1",

@@ -1,4 +1,4 @@
-"""Runs one stream processor: ``kns processor safety|billing|abuse``.
+"""Runs one stream processor: ``kns processor safety|billing|abuse|store``.
 
 The command is a supervisor (``runtime.supervisor``): the Faust worker runs in a child process, and a child that
 crashes is started again (with backoff). A fresh process rebuilds its tables from their changelogs; that is also the
@@ -21,6 +21,7 @@ PROCESSORS = {
     "safety": "stream_processors.safety.processor",
     "billing": "stream_processors.billing_agg.processor",
     "abuse": "stream_processors.abuse.processor",
+    "store": "stream_processors.store.processor",
 }
 
 

@@ -31,7 +31,8 @@ SESSION = uuid.uuid4().hex[:8]
 PORT_BASE = int(os.environ.get("KNS_TEST_PORT_BASE", "18000"))
 GATEWAY_PORT = PORT_BASE
 WORKER_ADMIN_PORT = PORT_BASE + 100
-PROCESSOR_PORTS = {"safety": PORT_BASE + 201, "billing": PORT_BASE + 202, "abuse": PORT_BASE + 203}
+PROCESSOR_PORTS = {"safety": PORT_BASE + 201, "billing": PORT_BASE + 202, "abuse": PORT_BASE + 203,
+                   "store": PORT_BASE + 204}
 
 # Set before anything builds settings: this process and every service it starts share them.
 TEST_ENV = {
@@ -139,7 +140,7 @@ def processor(name: str, env: dict[str, str]) -> ServiceProcess:
 
 @pytest.fixture(scope="session")
 def processors(stack: Settings, service_env: dict[str, str]) -> Iterator[dict[str, ServiceProcess]]:
-    """The three Faust processors (safety, billing, abuse), healthy before any gateway produces."""
+    """The four Faust processors (safety, billing, abuse, store), healthy before any gateway produces."""
     procs = {name: processor(name, service_env) for name in PROCESSOR_PORTS}
     for proc in procs.values():
         proc.start()

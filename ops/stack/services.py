@@ -333,7 +333,7 @@ class _AppService(Service):
 
 
 class ProcessorService(_AppService):
-    """One Faust stream processor (safety, billing or abuse)."""
+    """One Faust stream processor (safety, billing, abuse or store)."""
 
     wave = 1
     subcommand = "processor"
@@ -395,6 +395,7 @@ def all_services(settings: Settings) -> list[Service]:
         ProcessorService(settings, "safety"),
         ProcessorService(settings, "billing"),
         ProcessorService(settings, "abuse"),
+        ProcessorService(settings, "store"),
         WorkerService(settings),
         GatewayService(settings),
     ]

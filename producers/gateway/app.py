@@ -25,8 +25,9 @@ from producers.gateway.limits import BodySizeLimit
 from producers.gateway.local_limiter import LocalLimiter
 from producers.gateway.prompt import PromptBuilder
 from producers.gateway.publisher import EventPublisher
-from producers.gateway.routes import admin, chat, health, models, usage
+from producers.gateway.routes import admin, chat, health, models, stored, usage
 from producers.gateway.service import ChatService
+from producers.gateway.stored import StoredCompletions
 from producers.relay.claim import ReplyPartitionClaim
 from producers.relay.demux import Relay
 from producers.tenancy.admin import RegistryWriter, TenancyAdmin
@@ -40,6 +41,7 @@ from runtime.redis_client import make_redis
 from runtime.settings import Settings
 from runtime.streams import StreamDirectory
 from schemas.topics import TOPICS
+from stream_processors.store.completions import CompletionStore
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +105,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # SIGTERM (``main.GatewayServer``): open streams are handed over at once, before the server drains.
         loop = asyncio.get_running_loop()
         app.state.on_exit = lambda: loop.call_soon_threadsafe(chat_service.hand_over)
+        stored_completions = StoredCompletions(await CompletionStore.open(session, settings.cassandra.keyspace))
         app.state.ctx = GatewayContext(settings, tenancy, tenancy_admin, suspensions, ledger, prompts, claim, relay,
-                                       chat_service)
+                                       chat_service, stored_completions)
         log.info("gateway ready", extra={"instance": settings.gateway.instance_id, "gateway_id": claim.gateway_id,
                                          "reply_partition": reply_partition})
         yield
@@ -115,6 +118,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.settings = settings
     errors.install(app)
     app.include_router(chat.router)
+    app.include_router(stored.router)
     app.include_router(models.router)
     app.include_router(usage.router)
     app.include_router(admin.router)

@@ -13,6 +13,7 @@ from producers.gateway.errors import ApiError, unauthorized
 from producers.gateway.keys import KeySuspensions, hash_key
 from producers.gateway.prompt import PromptBuilder
 from producers.gateway.service import ChatService
+from producers.gateway.stored import StoredCompletions
 from producers.relay.claim import ReplyPartitionClaim
 from producers.relay.demux import Relay
 from producers.tenancy.admin import TenancyAdmin
@@ -33,6 +34,7 @@ class GatewayContext:
     claim: ReplyPartitionClaim
     relay: Relay
     chat: ChatService
+    stored: StoredCompletions
 
 
 async def context(request: Request) -> GatewayContext:

@@ -104,10 +104,8 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "verbosity": Unsupported(),
     # SmolLM2 does not reason: "none" is what it does
     "reasoning_effort": Unsupported((None, "none")),
-    # OpenAI platform features: one service tier, nothing stored, no moderation settings
+    # OpenAI platform features: one service tier, no moderation settings
     "service_tier": Unsupported((None, "auto", "default")),
-    "store": Unsupported((None, False)),
-    "metadata": Unsupported((None, {})),
     "moderation": Unsupported(),
     "prompt_cache_key": Unsupported(hint="Use conversation_id to keep a conversation's turns on one worker's "
                                          "prefix cache."),
@@ -165,6 +163,11 @@ def _declare_unsupported(schema: dict[str, Any]) -> None:
     ]}}
 
 
+#: OpenAI's bounds on metadata: up to 16 pairs, keys up to 64 characters, values up to 512
+MetadataKey = Annotated[str, Field(min_length=1, max_length=64)]
+MetadataValue = Annotated[str, Field(max_length=512)]
+
+
 class ChatCompletionRequest(BaseModel):
     # A field that is neither ours nor in UNSUPPORTED is an error (errors.from_validation words it as OpenAI).
     model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=_declare_unsupported)
@@ -191,6 +194,9 @@ class ChatCompletionRequest(BaseModel):
     repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
     # ours: turns of one conversation share a partition (and a worker's prefix cache)
     conversation_id: Annotated[str, Field(min_length=1, max_length=128)] | None = None
+    # stored completions (GET /v1/chat/completions/{id}, its messages, list, delete), as OpenAI's
+    store: bool | None = None
+    metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)] | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -165,6 +165,8 @@ class ChatService:
             conversation_id=body.conversation_id,
             user=body.user,
             client_addr=client_addr,
+            store=bool(body.store),
+            metadata=body.metadata or {},
         )
         # Reserves prompt + max_tokens against the key's and org's limits (429 past them) before anything is produced
         budget = self._admission.hold_for(key.org, body.model, len(prompt_ids), sampling.max_tokens, created_at)

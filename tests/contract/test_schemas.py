@@ -29,6 +29,7 @@ from schemas.events import (
     SafetyStage,
     SafetyVerdict,
     SamplingSpec,
+    StoredCompletion,
     TokenEvent,
     TokenUsage,
     UsageEvent,
@@ -44,13 +45,19 @@ SAMPLES = [
                   ChatMessage(role="user", content="héllo ✓", name="u")],
         prompt_token_ids=[1, 2, 49151], sampling=SamplingSpec(max_tokens=5, seed=2**40, stop=["\n\n"]),
         stream=True, reply=ReplyTo(partition=3, gateway_id="gw/1a2b"), conversation_id="conv", user="u1",
-        client_addr="10.0.0.1", deadline_at=NOW,
+        client_addr="10.0.0.1", deadline_at=NOW, store=True, metadata={"ticket": "T-1", "env": "prod"},
     ),
     ChatRequest(
         request_id="chatcmpl-2", created_at=NOW, org_id="org", key_id="k", tier="free", model="m", messages=[],
         prompt_token_ids=[], sampling=SamplingSpec(max_tokens=1, temperature=0.0), stream=False,
         reply=ReplyTo(partition=0, gateway_id="gw"),
     ),
+    StoredCompletion(completion_id="chatcmpl-1", org_id="o", key_id="k", user="u1", model="m", created_at=NOW,
+                     messages=[ChatMessage(role="user", content="hi")], metadata={"a": "b"}, text="Hello",
+                     finish_reason="stop", usage=TokenUsage(prompt_tokens=3, completion_tokens=2, cached_tokens=1)),
+    StoredCompletion(completion_id="chatcmpl-2", org_id="o", key_id="k", model="m", created_at=NOW, messages=[],
+                     text="", finish_reason="error", usage=TokenUsage(prompt_tokens=0, completion_tokens=0),
+                     error="e"),
     TokenEvent(request_id="r", attempt=1, seq=0, token_offset=0, token_ids=[5, 6], text=" Paris", worker_id="w",
                emitted_at_us=1_763_000_000_000_000),
     TokenEvent(request_id="r", attempt=2, seq=9, token_offset=12, token_ids=[], text="", finish_reason="length",
@@ -99,6 +106,9 @@ def _avro_type_matches(annotation: object, avro: object, named: dict[str, dict])
         avro = named[avro]
     if origin is list:
         return isinstance(avro, dict) and avro["type"] == "array" and _avro_type_matches(args[0], avro["items"], named)
+    if origin is dict:
+        return (isinstance(avro, dict) and avro["type"] == "map" and args[0] is str
+                and _avro_type_matches(args[1], avro["values"], named))
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return isinstance(avro, dict) and avro["type"] == "record" and _fields_match(annotation, avro, named) == []
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):

@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import GATEWAY_PORT, SESSION, Caller
 from tests.e2e.conftest import MODEL
-from tests.helpers import ServiceProcess
+from tests.helpers import ServiceProcess, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -195,3 +195,30 @@ async def test_forged_foreign_and_expired_ids_get_404_and_a_finished_stream_repl
         "chatcmpl-00000000000000000000000000000000", request_id)  # says nothing about whose it is
     assert malformed[0] == 400 and malformed[1]["error"]["param"] == "Last-Event-ID"
     assert replay.text == finished.text and replay.done and replay.ids[-1] == finished.ids[-1]
+
+
+async def test_a_stored_completion_is_fetched_by_id_after_its_gateway_died(doomed: ServiceProcess, base_url: str,
+                                                                           caller: Caller) -> None:
+    import openai
+
+    tag = f"resume-{time.time_ns()}"
+    body = {**BODY, "stream": False, "store": True, "max_tokens": 64, "metadata": {"client_request": tag}}
+    async with httpx.AsyncClient(timeout=120) as http:
+        reference = (await http.post(f"{base_url}/chat/completions", json={**body, "store": False, "metadata": None},
+                                     headers={"Authorization": f"Bearer {caller.secret}"})).json()
+        asking = asyncio.ensure_future(http.post(f"http://127.0.0.1:{DOOMED_PORT}/v1/chat/completions", json=body,
+                                                 headers={"Authorization": f"Bearer {caller.secret}"}))
+        await asyncio.sleep(1.5)  # accepted and generating: the gateway dies before it can answer
+        doomed.kill()
+        with pytest.raises(httpx.HTTPError):
+            await asking
+    # The dead gateway never answered, so the client has no id: it finds its completion by the metadata it sent.
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=caller.secret, max_retries=0) as client:
+
+        async def listed() -> list[object]:
+            return list((await client.chat.completions.list(metadata={"client_request": tag})).data)
+
+        found = await wait_for(listed, timeout_s=60, interval_s=0.5)
+        got = await client.chat.completions.retrieve(found[0].id)  # type: ignore[attr-defined]
+    assert got.choices[0].message.content == reference["choices"][0]["message"]["content"]
+    assert got.choices[0].finish_reason == "length"

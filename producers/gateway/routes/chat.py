@@ -24,7 +24,6 @@ from producers.gateway.errors import (
     bad_request,
     error_responses,
     from_validation,
-    stream_not_found,
 )
 from producers.gateway.protocol import (
     ChatCompletion,
@@ -162,14 +161,17 @@ async def _resume(request: Request, ctx: Context, key: Caller, request_id: str, 
 
 
 @router.get("/v1/chat/completions/{completion_id}", response_model=None, dependencies=[Depends(_bearer)],
-            responses={200: {"description": "With `stream=true`: the rest of the completion's stream, as server-sent "
+            responses={200: {"description": "A stored completion (`store: true`) as a `chat.completion` object; with "
+                                            "`stream=true`: the rest of the completion's stream, as server-sent "
                                             "events after the one named by `Last-Event-ID` or `starting_after` "
-                                            "(neither: all of it).",
+                                            "(neither: all of it), within its resume window.",
+                             "model": ChatCompletion,
                              "content": {"text/event-stream": {"schema": STREAM_EVENT}}},
                        **error_responses({400: "A malformed `Last-Event-ID` or `starting_after`.",
                                           401: "No API key, or an unknown one.",
-                                          404: "No such stream: unknown, another organization's, or past its "
-                                               "resume window."})})
+                                          404: "No such stored completion, or stream: unknown, another "
+                                               "organization's, deleted, or past its resume window.",
+                                          503: "Stored completions or the stream registry are unavailable."})})
 async def get_chat_completion(
     completion_id: str, request: Request, ctx: Context, key: Caller,
     stream: bool = False,
@@ -177,7 +179,7 @@ async def get_chat_completion(
                                        description="The position of the last event the client has."),
 ) -> Response:
     if not stream:
-        raise stream_not_found(completion_id)
+        return JSONResponse(await ctx.stored.get(completion_id, key.org_id))
     client_has = -1 if starting_after is None else starting_after
     last_event_id = request.headers.get("last-event-id")
     if last_event_id is not None:

@@ -1,0 +1,92 @@
+"""Stored chat completions (``store: true``): retrieve, its messages, list, delete, in OpenAI's shapes.
+
+The store processor writes them from the log (``stream_processors/store``); this use case only reads and deletes,
+through :class:`CompletionStore`, always within the caller's org: another org's id is answered as unknown.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC
+from typing import Any
+
+import orjson
+from cassandra import DriverException
+
+from producers.gateway.errors import ApiError, bad_request, unavailable
+from producers.gateway.protocol import usage_dict
+from producers.relay.sse import completion
+from stream_processors.store.completions import CompletionStore
+
+#: what a Cassandra outage looks like to the driver's caller
+STORE_ERRORS = (DriverException, OSError, TimeoutError)
+
+
+def not_found(completion_id: str) -> ApiError:
+    return ApiError(404, f"No stored chat completion found with id '{completion_id}'.", param="completion_id",
+                    code="not_found")
+
+
+class StoredCompletions:
+    def __init__(self, store: CompletionStore) -> None:
+        self._store = store
+
+    async def _row(self, completion_id: str, org_id: str) -> dict[str, Any]:
+        try:
+            row = await self._store.get(completion_id, org_id)
+        except STORE_ERRORS as exc:
+            raise unavailable("Stored completions are unavailable right now; retry later.") from exc
+        if row is None:
+            raise not_found(completion_id)
+        return row
+
+    async def get(self, completion_id: str, org_id: str) -> dict[str, Any]:
+        return _completion(await self._row(completion_id, org_id))
+
+    async def messages(self, completion_id: str, org_id: str, *, after: str | None, limit: int,
+                       ascending: bool) -> dict[str, Any]:
+        row = await self._row(completion_id, org_id)
+        messages = [{"id": f"{completion_id}-{i}", "role": m["role"], "content": m["content"],
+                     "name": m.get("name"), "content_parts": None}
+                    for i, m in enumerate(orjson.loads(row["messages"] or "[]"))]
+        if not ascending:
+            messages.reverse()
+        if after is not None:
+            ids = [m["id"] for m in messages]
+            if after not in ids:
+                raise bad_request(f"No message with id '{after}' in this completion.", param="after",
+                                  code="invalid_cursor")
+            messages = messages[ids.index(after) + 1:]
+        return _page(messages[:limit], len(messages) > limit)
+
+    async def list(self, org_id: str, *, after: str | None, limit: int, ascending: bool, model: str | None,
+                   metadata: dict[str, str]) -> dict[str, Any]:
+        try:
+            page = await self._store.page(org_id, after=after, limit=limit, ascending=ascending, model=model,
+                                          metadata=metadata)
+        except KeyError as exc:
+            raise bad_request(f"No stored chat completion with id '{after}' to list after.", param="after",
+                              code="invalid_cursor") from exc
+        except STORE_ERRORS as exc:
+            raise unavailable("Stored completions are unavailable right now; retry later.") from exc
+        return _page([_completion(row) for row in page.items], page.has_more)
+
+    async def delete(self, completion_id: str, org_id: str) -> dict[str, Any]:
+        try:
+            deleted = await self._store.delete(completion_id, org_id)
+        except STORE_ERRORS as exc:
+            raise unavailable("Stored completions are unavailable right now; retry later.") from exc
+        if not deleted:
+            raise not_found(completion_id)
+        return {"object": "chat.completion.deleted", "id": completion_id, "deleted": True}
+
+
+def _completion(row: dict[str, Any]) -> dict[str, Any]:
+    created = int(row["created_at"].replace(tzinfo=UTC).timestamp()) if row["created_at"] else 0
+    body = completion(row["completion_id"], row["model"], created, row["content"] or "", row["finish_reason"],
+                      usage_dict(row["prompt_tokens"] or 0, row["completion_tokens"] or 0, row["cached_tokens"] or 0))
+    return {**body, "metadata": dict(row["metadata"] or {}), "request_id": row["completion_id"]}
+
+
+def _page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": has_more}
