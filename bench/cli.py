@@ -317,3 +317,31 @@ def priority(
                           f"{row['ttft_s']['p50']:.2f}", f"{row['ttft_s']['p99']:.2f}")
     console.print(table)
     console.print(f"[green]saved[/green] {save('priority', result)}")
+
+
+@app.command("failover")
+def failover(
+    kills: int = typer.Option(20, min=1, help="SIGKILLs with the worker lease on."),
+    baseline_kills: int = typer.Option(5, min=0, help="SIGKILLs with the lease off (session timeout only)."),
+    concurrency: int = typer.Option(8, min=2, help="Streams at once."),
+    tokens: int = typer.Option(120, min=20, help="Tokens per stream."),
+    port_base: int = typer.Option(17700, help="First port of the bench stack's services."),
+) -> None:
+    """Worker failover: the gap from a worker's SIGKILL to its streams' next token, lease on vs off."""
+    from bench.failover import run
+
+    settings = load_settings()
+    result = asyncio.run(run(settings, kills=kills, baseline_kills=baseline_kills, concurrency=concurrency,
+                             tokens=tokens, port_base=port_base, say=lambda m: console.print(f"[dim]•[/dim] {m}")))
+    table = Table(title="worker failover: SIGKILL → next token")
+    for column in ("detection", "kills", "streams", "gap p50", "gap p99", "gap max"):
+        table.add_column(column, justify="right")
+    for label, part in (("worker lease 1 s", result["lease"]),
+                        (f"session timeout {result['session_timeout_only']['session_timeout_ms']} ms",
+                         result["session_timeout_only"])):
+        gap = part["gap_s"]
+        cell = (lambda v: "-" if v is None else f"{v:.2f} s")  # noqa: E731
+        table.add_row(label, str(part["kills"]), str(part["samples"]), cell(gap["p50"]), cell(gap["p99"]),
+                      cell(max((g for r in part["rounds"] for g in r["gaps_s"]), default=None)))
+    console.print(table)
+    console.print(f"[green]saved[/green] {save('failover', result)}")

@@ -22,6 +22,7 @@ from inference_workers.claims import RequestClaims
 from inference_workers.control import ControlListener
 from inference_workers.emitter import Finalizer, TokenSink
 from inference_workers.intake import Intake
+from inference_workers.liveness import WorkerLiveness
 from inference_workers.offsets import CommittedState, OffsetTracker, decode_state
 from inference_workers.prefix import PrefixReader
 from inference_workers.presence import GatewayPresence
@@ -161,6 +162,10 @@ class Worker:
                                 refresh_s=worker.priority_refresh_s)
 
             depth_loop = asyncio.create_task(gate.report_depth(), name="queue-depth")
+            liveness = WorkerLiveness(redis, s.redis, consumer, group=group, instance_id=worker.instance_id,
+                                      ttl_s=worker.liveness_ttl_s, renew_s=worker.liveness_renew_s)
+            liveness_loop = (asyncio.create_task(liveness.run(), name="worker-liveness") if worker.liveness_ttl_s
+                             else None)
 
             async def handle(request: ChatRequest, record: ConsumerRecord[bytes, bytes]) -> None:
                 await intake.handle(request, record)
@@ -190,6 +195,10 @@ class Worker:
                 if not commit_loop.done():
                     await finalizer.stop()
                 await consumer.stop()
+                if liveness_loop is not None:
+                    # Renewed until the consumer left: a draining worker still owns its partitions.
+                    liveness_loop.cancel()
+                    await liveness.close()
                 admin.should_exit = True
                 await asyncio.gather(admin_task, presence_loop, depth_loop, return_exceptions=True)
 

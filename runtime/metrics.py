@@ -137,3 +137,8 @@ metrics_router = APIRouter()
 @metrics_router.get("/metrics", include_in_schema=False)
 async def metrics() -> Response:
     return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+WORKER_EVICTIONS = Counter(
+    "kns_worker_evictions_total", "Dead peers this worker evicted from the group (their Redis lease was gone)",
+    ["outcome"]
+)

@@ -194,6 +194,11 @@ class WorkerSettings(BaseModel):
     # what it generated (its tokens stay resumable).
     presence_check_s: float = 1.0
     unattended_grace_s: float = 30.0
+    # Fast failover (inference_workers/liveness.py): each worker holds a Redis lease this long, renewed every
+    # liveness_renew_s; its peers evict it from the group as soon as it lapses (0 turns it off: the Kafka session
+    # timeout alone then finds dead workers).
+    liveness_ttl_s: float = 1.0
+    liveness_renew_s: float = 0.2
     # Priority classes: while a higher class has requests waiting, a lower one's partitions are paused, except that
     # each class with requests waiting still gets this share of the admissions (its starvation guard). Off: every
     # class's partitions are fetched alike (in arrival order per partition; bench priority's baseline).
@@ -206,6 +211,10 @@ class WorkerSettings(BaseModel):
     def _default_instance(self) -> WorkerSettings:
         if not self.instance_id:
             self.instance_id = f"worker-{socket.gethostname()}-{self.admin_port}"
+        if self.liveness_ttl_s and self.liveness_renew_s * 3 > self.liveness_ttl_s:
+            raise ValueError(f"worker.liveness_renew_s ({self.liveness_renew_s}) must be at most a third of "
+                             f"worker.liveness_ttl_s ({self.liveness_ttl_s}): two late renewals would evict a live "
+                             "worker")
         return self
 
 

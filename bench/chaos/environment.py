@@ -64,6 +64,8 @@ class Knobs:
     queue_deadline_s: float = 60.0
     first_token_grace_s: float = 30.0
     session_timeout_ms: int = 6000
+    #: the workers' Redis lease (``inference_workers/liveness.py``); 0: the session timeout alone finds a dead one
+    liveness_ttl_s: float = 1.0
 
 
 @dataclass
@@ -118,6 +120,7 @@ class ChaosEnv:
                "KNS_GATEWAY__QUEUE_DEADLINE_S": str(k.queue_deadline_s),
                "KNS_GATEWAY__FIRST_TOKEN_GRACE_S": str(k.first_token_grace_s),
                "KNS_KAFKA__SESSION_TIMEOUT_MS": str(k.session_timeout_ms),
+               "KNS_WORKER__LIVENESS_TTL_S": str(k.liveness_ttl_s),
                "KNS_FAULTS__DIR": str(self.faults_dir),
                "KNS_PROCESSORS__BILLING_PORT": str(self.ports.billing)}
         if k.engine == "vllm":

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route
 
 from producers.tenancy.admin import TenancyError
 
@@ -180,11 +181,17 @@ def install(app: FastAPI) -> None:
         return from_validation(exc).response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
-        # Starlette's headers matter: a 405 must say which methods are allowed (``Allow``, RFC 9110).
+        # Starlette's headers matter: a 405 must say which methods are allowed (``Allow``, RFC 9110) — those of
+        # every route of the path (Starlette names only the first route's, and a path may have several).
+        headers = dict(exc.headers) if exc.headers else {}
+        if exc.status_code == 405:
+            allowed = sorted({m for route in request.app.routes if isinstance(route, Route)
+                              and route.path_regex.match(request.url.path) for m in route.methods or ()})
+            headers["Allow"] = ", ".join(allowed) or headers.get("Allow", "")
         return ApiError(exc.status_code, str(exc.detail), code=codes.get(exc.status_code),
-                        headers=dict(exc.headers) if exc.headers else None).response()
+                        headers=headers or None).response()
 
     async def _dependency_down(request: Request, exc: Exception) -> JSONResponse:
         # Redis or Cassandra overloaded or unreachable: the request was not accepted (nothing produced), so the

@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 from cassandra import DriverException
 
-from producers.gateway.errors import ApiError, bad_request, unavailable
+from producers.gateway.errors import ApiError, unavailable
 from producers.gateway.protocol import usage_dict
 from producers.relay.sse import completion
 from stream_processors.store.completions import CompletionStore
@@ -53,8 +53,8 @@ class StoredCompletions:
         if after is not None:
             ids = [m["id"] for m in messages]
             if after not in ids:
-                raise bad_request(f"No message with id '{after}' in this completion.", param="after",
-                                  code="invalid_cursor")
+                raise ApiError(404, f"No message with id '{after}' in this completion.", param="after",
+                               code="not_found")
             messages = messages[ids.index(after) + 1:]
         return _page(messages[:limit], len(messages) > limit)
 
@@ -64,8 +64,8 @@ class StoredCompletions:
             page = await self._store.page(org_id, after=after, limit=limit, ascending=ascending, model=model,
                                           metadata=metadata)
         except KeyError as exc:
-            raise bad_request(f"No stored chat completion with id '{after}' to list after.", param="after",
-                              code="invalid_cursor") from exc
+            raise ApiError(404, f"No stored chat completion with id '{after}' to list after.", param="after",
+                           code="not_found") from exc
         except STORE_ERRORS as exc:
             raise unavailable("Stored completions are unavailable right now; retry later.") from exc
         return _page([_completion(row) for row in page.items], page.has_more)

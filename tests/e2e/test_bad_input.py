@@ -89,7 +89,7 @@ def test_missing_and_wrong_keys_are_401(base_url: str) -> None:
 
 def test_unknown_routes_and_methods_keep_the_shape(http: httpx.Client) -> None:
     assert_openai_error(http.get("/nothing-here"), 404, None, "not_found")
-    assert_openai_error(http.get("/chat/completions"), 405, None, "method_not_allowed")
+    assert_openai_error(http.put("/chat/completions"), 405, None, "method_not_allowed")
     assert_openai_error(http.get("/models/gpt-17"), 404, "model", "model_not_found")
 
 

@@ -84,11 +84,15 @@ async def test_bad_stored_completion_input_gets_a_clear_4xx(base_url: str, calle
                                                        "metadata": {"k": "v" * 513}}),
             await http.get("/chat/completions", params={"limit": 0}),
             await http.get("/chat/completions", params={"order": "sideways"}),
-            await http.get("/chat/completions", params={"after": "chatcmpl-nope"}),
+            await http.get("/chat/completions", params={"after": ""}),
             await http.get("/chat/completions", params={"metadata": "x"}),
         ]
-        missing = await http.delete("/chat/completions/chatcmpl-nope")
+        missing = [await http.delete("/chat/completions/chatcmpl-nope"),
+                   await http.get("/chat/completions", params={"after": "chatcmpl-nope"})]
+        allowed = (await http.request("OPTIONS", "/chat/completions")).headers.get("allow")
     for answer in cases:
         assert answer.status_code == 400, answer.text
         assert set(answer.json()["error"]) >= {"message", "type", "param", "code"}
-    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    for answer in missing:
+        assert answer.status_code == 404 and answer.json()["error"]["code"] == "not_found", answer.text
+    assert allowed == "GET, POST"

@@ -15,11 +15,13 @@ router = APIRouter()
 
 #: ``metadata[key]=value`` query parameters (OpenAI's filter)
 _METADATA = re.compile(r"^metadata\[(.{1,64})\]$")
-_ERRORS = error_responses({400: "A malformed parameter or an unknown cursor.", 401: "No API key, or an unknown one.",
-                           404: "No stored completion with that id in your organization.",
+_ERRORS = error_responses({400: "A malformed parameter.", 401: "No API key, or an unknown one.",
+                           404: "No stored completion with that id (or the `after` cursor's) in your organization.",
                            503: "Stored completions are unavailable right now."})
 Limit = Query(default=20, ge=1, le=100)
 Order = Query(default="asc")
+#: a completion or message id to page after (unknown: 404)
+After = Query(default=None, min_length=1, max_length=256)
 
 
 def _metadata(request: Request) -> dict[str, str]:
@@ -36,14 +38,14 @@ def _metadata(request: Request) -> dict[str, str]:
 
 @router.get("/v1/chat/completions", responses=_ERRORS)
 async def list_chat_completions(request: Request, ctx: Context, key: Caller, model: str | None = None,
-                                after: str | None = None, limit: int = Limit,
+                                after: str | None = After, limit: int = Limit,
                                 order: Literal["asc", "desc"] = Order) -> dict[str, Any]:
     return await ctx.stored.list(key.org_id, after=after, limit=limit, ascending=order == "asc", model=model,
                                  metadata=_metadata(request))
 
 
 @router.get("/v1/chat/completions/{completion_id}/messages", responses=_ERRORS)
-async def chat_completion_messages(completion_id: str, ctx: Context, key: Caller, after: str | None = None,
+async def chat_completion_messages(completion_id: str, ctx: Context, key: Caller, after: str | None = After,
                                    limit: int = Limit, order: Literal["asc", "desc"] = Order) -> dict[str, Any]:
     return await ctx.stored.messages(completion_id, key.org_id, after=after, limit=limit, ascending=order == "asc")
 
