@@ -25,6 +25,7 @@ def chaos(
     engine: str = typer.Option("synthetic", help="synthetic (checked token by token) or vllm."),
     temperature: float = typer.Option(0.0, help="Sampling temperature of the load."),
     seed: int | None = typer.Option(None, help="A seed for every request (temperature > 0)."),
+    mixed: bool = typer.Option(False, help="Every other stream greedy (temperature 0, no seed)."),
     port_base: int = typer.Option(17500, help="First port of the chaos stack's services."),
 ) -> None:
     """Break the platform on purpose, under load, and count what was lost, duplicated or billed wrongly."""
@@ -35,7 +36,7 @@ def chaos(
     if engine not in ("synthetic", "vllm"):
         raise typer.BadParameter("--engine must be synthetic or vllm")
     settings = load_settings()
-    shape = LoadShape(requests, concurrency, max_tokens, temperature, seed)
+    shape = LoadShape(requests, concurrency, max_tokens, temperature, seed, mixed)
     tables = []
     for name in names:
         console.rule(f"[bold]{name}[/bold]: {SCENARIOS[name].summary}")

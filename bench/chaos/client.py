@@ -30,6 +30,8 @@ class Stream:
     max_tokens: int
     #: the gateway it is sent to first (an index into the load's gateways)
     gateway: int = 0
+    temperature: float = 0.0
+    seed: int | None = None
     request_id: str | None = None
     last_event_id: str | None = None
     #: reconnections that continued the stream on another gateway, and each one's time without a connection
@@ -68,13 +70,14 @@ class Stream:
         return data
 
 
-def body(stream: Stream, model: str, *, temperature: float, seed: int | None) -> bytes:
+def body(stream: Stream, model: str) -> bytes:
     payload: dict[str, Any] = {
         "model": model, "messages": [{"role": "user", "content": stream.prompt}], "max_tokens": stream.max_tokens,
-        "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
+        "temperature": stream.temperature, "stream": True, "stream_options": {"include_usage": True},
+        "ignore_eos": True,
     }
-    if seed is not None:
-        payload["seed"] = seed
+    if stream.seed is not None:
+        payload["seed"] = stream.seed
     return orjson.dumps(payload)
 
 
@@ -84,7 +87,7 @@ RECONNECT_PAUSE_S = 0.2
 
 
 async def run_stream(clients: list[httpx.AsyncClient], stream: Stream, api_key: str, model: str, *,
-                     temperature: float, seed: int | None, t0: float) -> Stream:
+                     t0: float) -> Stream:
     stream.started = time.monotonic() - t0
     gateway = stream.gateway
     try:
@@ -96,8 +99,8 @@ async def run_stream(clients: list[httpx.AsyncClient], stream: Stream, api_key: 
                 gateway = (gateway + 1) % len(clients)
             try:
                 # Once the gateway named the request, a reconnection resumes it; before that, it asks again.
-                if await _connect(clients[gateway], stream, api_key, model, temperature=temperature, seed=seed,
-                                  t0=t0, resuming=stream.request_id is not None):
+                if await _connect(clients[gateway], stream, api_key, model, t0=t0,
+                                  resuming=stream.request_id is not None):
                     return stream
             except (httpx.HTTPError, orjson.JSONDecodeError) as exc:
                 stream.error = f"connection: {type(exc).__name__}"
@@ -106,11 +109,11 @@ async def run_stream(clients: list[httpx.AsyncClient], stream: Stream, api_key: 
         stream.ended = time.monotonic() - t0
 
 
-async def _connect(client: httpx.AsyncClient, stream: Stream, api_key: str, model: str, *, temperature: float,
-                   seed: int | None, t0: float, resuming: bool) -> bool:
+async def _connect(client: httpx.AsyncClient, stream: Stream, api_key: str, model: str, *, t0: float,
+                   resuming: bool) -> bool:
     """One connection: the request, or its resume. True when the stream ended (finished or a final error)."""
     headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
-    method, url, content = "POST", "/chat/completions", body(stream, model, temperature=temperature, seed=seed)
+    method, url, content = "POST", "/chat/completions", body(stream, model)
     if resuming and stream.last_event_id is not None:
         headers["Last-Event-ID"] = stream.last_event_id
     elif resuming and stream.request_id is not None:
@@ -166,12 +169,16 @@ class Load:
     """``requests`` streams, ``concurrency`` at a time, started as soon as a slot frees."""
 
     def __init__(self, base_urls: list[str], api_key: str, model: str, *, requests: int, concurrency: int,
-                 max_tokens: int, label: str, temperature: float = 0.0, seed: int | None = None) -> None:
+                 max_tokens: int, label: str, temperature: float = 0.0, seed: int | None = None,
+                 mixed: bool = False) -> None:
         self.base_urls, self.api_key, self.model = base_urls, api_key, model
         self.streams = [Stream(i, f"chaos {label} request {i}: tell me a story", max_tokens,
                                gateway=i % len(base_urls)) for i in range(requests)]
         self.concurrency = concurrency
-        self.temperature, self.seed = temperature, seed
+        # mixed: every other stream greedy (temperature 0, no seed), the others sampled as asked
+        for stream in self.streams:
+            if not (mixed and stream.index % 2 == 0):
+                stream.temperature, stream.seed = temperature, seed
         self.t0 = time.monotonic()
 
     def now(self) -> float:
@@ -179,13 +186,14 @@ class Load:
 
     async def more(self, n: int) -> None:
         """``n`` more streams, now, all at once (a scenario's second phase); they count with the others."""
-        extra = [Stream(len(self.streams) + i, f"{self.streams[0].prompt} (after {i})", self.streams[0].max_tokens,
-                        gateway=i % len(self.base_urls)) for i in range(n)]
+        first = self.streams[0]
+        extra = [Stream(len(self.streams) + i, f"{first.prompt} (after {i})", first.max_tokens,
+                        gateway=i % len(self.base_urls), temperature=first.temperature, seed=first.seed)
+                 for i in range(n)]
         self.streams += extra
         async with contextlib.AsyncExitStack() as stack:
             clients = [await stack.enter_async_context(self._client(url, n + 4)) for url in self.base_urls]
-            await asyncio.gather(*(run_stream(clients, s, self.api_key, self.model, temperature=self.temperature,
-                                              seed=self.seed, t0=self.t0) for s in extra))
+            await asyncio.gather(*(run_stream(clients, s, self.api_key, self.model, t0=self.t0) for s in extra))
 
     @staticmethod
     def _client(base_url: str, connections: int) -> httpx.AsyncClient:
@@ -200,8 +208,7 @@ class Load:
 
             async def one(stream: Stream) -> None:
                 async with limit:
-                    await run_stream(clients, stream, self.api_key, self.model, temperature=self.temperature,
-                                     seed=self.seed, t0=self.t0)
+                    await run_stream(clients, stream, self.api_key, self.model, t0=self.t0)
                     if progress is not None:
                         progress()
 

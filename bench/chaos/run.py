@@ -21,6 +21,8 @@ class LoadShape:
     max_tokens: int = 60
     temperature: float = 0.0
     seed: int | None = None
+    #: every other stream greedy, the others at ``temperature`` with ``seed``
+    mixed: bool = False
 
 
 async def run_scenario(settings: Settings, scenario: Scenario, shape: LoadShape, *, engine: str = "synthetic",
@@ -35,7 +37,8 @@ async def run_scenario(settings: Settings, scenario: Scenario, shape: LoadShape,
         def new_load() -> Load:
             return Load(env.base_urls, env.api_key, settings.model.served_name, requests=shape.requests,
                         concurrency=shape.concurrency, max_tokens=shape.max_tokens,
-                        label=f"{scenario.name}-{env.run_id}", temperature=shape.temperature, seed=shape.seed)
+                        label=f"{scenario.name}-{env.run_id}", temperature=shape.temperature, seed=shape.seed,
+                        mixed=shape.mixed)
 
         reference = None
         if engine != "synthetic":

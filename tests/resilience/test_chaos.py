@@ -76,3 +76,15 @@ async def test_kill_a_gateway(stack: Settings) -> None:
 async def test_roll_the_gateways(stack: Settings) -> None:
     table = await chaos(stack, "roll-gateways")
     assert table.completed == table.sent and table.resumed_streams > 0
+
+
+async def test_kill_a_vllm_worker_greedy_and_seeded_streams_continue_exactly(stack: Settings) -> None:
+    """Issue 10 with the real model: every other stream greedy, the others at temperature 0.9 with a seed; a worker
+    is SIGKILLed mid-generation and each stream's text equals the same request's fault-free run (the reference
+    pass): greedy streams continue from the prompt plus what was emitted (one prefill), seeded ones are replayed
+    and checked. Billed once (``goals_met`` audits the ledger)."""
+    shape = LoadShape(requests=8, concurrency=8, max_tokens=40, temperature=0.9, seed=11, mixed=True)
+    table, _streams, _context = await run_scenario(stack, SCENARIOS["kill-worker"], shape, engine="vllm",
+                                                   port_base=PORT_BASE + 600)
+    assert table.goals_met, table.as_json()
+    assert table.completed == table.sent and table.spliced_streams == 0 and table.taken_over > 0

@@ -1,0 +1,208 @@
+"""Resumable streams and stored completions under faults (real Kafka, Cassandra), from an adversarial review of
+the resume / stored-completions change: each test fails on the reviewed code for the reason in its docstring."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+import pytest_asyncio
+
+from producers.relay import demux
+from producers.relay.collector import Delta, StreamCollector
+from producers.relay.demux import Relay
+from runtime.cassandra_client import connect_async
+from runtime.kafka_clients import make_producer
+from runtime.settings import KafkaSettings, Settings
+from schemas.codec import codec_for
+from schemas.events import ChatMessage, StoredCompletion, TokenEvent, TokenUsage
+from schemas.topics import TOPICS
+from stream_processors.store import completions
+from stream_processors.store.completions import CompletionStore
+from tests.helpers import wait_for
+
+pytestmark = pytest.mark.integration
+#: partitions of the token topic of their own (test_relay_resume.py uses 13 and 14)
+RACE, IDLE_OWN, IDLE_OTHER, BACKLOG = 9, 10, 11, 12
+
+
+def token(rid: str, seq: int, final: bool = False) -> TokenEvent:
+    return TokenEvent(request_id=rid, attempt=1, seq=seq, token_offset=seq, token_ids=[seq], text=f"<{seq}>",
+                      finish_reason="stop" if final else None,
+                      usage=TokenUsage(prompt_tokens=1, completion_tokens=seq + 1) if final else None,
+                      worker_id="test", emitted_at_us=time.time_ns() // 1000)
+
+
+async def drain(collector: StreamCollector, timeout_s: float = 10) -> tuple[str, Delta]:
+    parts = []
+    while True:
+        delta = await asyncio.wait_for(collector.get(), timeout_s)
+        parts.append(delta.text)
+        if delta.finished:
+            return "".join(parts), delta
+
+
+# --- relay ------------------------------------------------------------------------------------------------------
+
+
+async def test_a_resume_that_rewinds_a_busy_feed_gets_every_event_of_its_stream(kafka: KafkaSettings) -> None:
+    """A resume behind the feed's position (another stream of this gateway's partition, or a second resume
+    on a foreign feed already open) only *asks* for a rewind (``_Feed.add`` sets ``_rewind_to``); the seek
+    happens at the top of the next loop turn. The feed is almost always awaiting ``getmany`` when ``add`` runs,
+    so the batch that getmany then returns is routed first: when its first record is the resumed stream's next
+    live event (offset >= position), ``_route`` hands it over and moves the sink's ``next_offset`` past it; after
+    the seek, the stream's earlier events (its backlog) are all ``< next_offset`` and dropped. The client gets
+    ``stream_inconsistent`` ("token events 0..1 are missing") instead of the rest of its stream.
+    (demux.py _run: the rewind check runs after routing a record, not before.)"""
+    topic = kafka.topic(TOPICS.tokens.name)
+    codec = codec_for(TokenEvent)
+    producer = make_producer(kafka, role="test")
+    await producer.start()
+    relay = Relay(kafka, topic, RACE)
+    await relay.start()
+    try:
+        results = []
+        for n in range(3):
+            rid = f"resumed-{n}"
+            # Its first events: generated while its client was away, already passed by the feed.
+            early = (await producer.send_and_wait(topic, codec.encode(token(rid, 0)), key=rid.encode(),
+                                                  partition=RACE)).offset
+            await producer.send_and_wait(topic, codec.encode(token(rid, 1)), key=rid.encode(), partition=RACE)
+            live = relay.register(f"live-{n}")
+            await producer.send_and_wait(topic, codec.encode(token(f"live-{n}", 0)), key=f"live-{n}".encode(),
+                                         partition=RACE)
+            await asyncio.wait_for(live.get(), 10)  # the feed routed it, and is back in getmany
+            resumed = await relay.resume(rid, RACE, early, skip_through=0)
+            # The resumed stream's next event is generated now (the worker goes on generating it).
+            await producer.send_and_wait(topic, codec.encode(token(rid, 2, final=True)), key=rid.encode(),
+                                         partition=RACE)
+            text, last = await drain(resumed)
+            results.append((text, last.finish_reason, last.error))
+            relay.unregister(rid)
+            relay.unregister(f"live-{n}")
+        assert results == [("<0><1><2>", "stop", None)] * 3
+    finally:
+        await relay.stop()
+        await producer.stop()
+
+
+async def test_a_feed_opened_for_a_resume_whose_client_left_is_closed_when_idle(
+        kafka: KafkaSettings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resume of another gateway's partition opens a feed (a Kafka consumer and a task polling every 200 ms).
+    If the resuming client leaves while the feed is opening (the resume task is cancelled at ``await
+    asyncio.shield(opening)``), the shielded opening completes and puts the feed in ``_others`` with no sink and
+    ``idle_since = None``; the janitor only closes feeds whose ``idle_since`` is set, so this one polls forever.
+    (demux.py _Feed.__init__ idle_since None; Relay._close_idle_feeds.)"""
+    monkeypatch.setattr(demux, "IDLE_FEED_S", 0.3)
+    topic = kafka.topic(TOPICS.tokens.name)
+    relay = Relay(kafka, topic, IDLE_OWN)
+    await relay.start()
+    try:
+        resuming = asyncio.ensure_future(relay.resume("gone", IDLE_OTHER, 0, skip_through=0))
+        await asyncio.sleep(0)  # the feed is opening
+        resuming.cancel()
+        await wait_for(lambda: IDLE_OTHER in relay._others, timeout_s=10, interval_s=0.05)
+        assert IDLE_OTHER in relay._others  # the opening went on without its client
+        await asyncio.sleep(2.0)  # several idle periods
+        assert IDLE_OTHER not in relay._others, "a feed nobody uses was never closed"
+    finally:
+        await relay.stop()
+
+
+async def test_a_resume_far_behind_does_not_stall_the_other_streams_of_the_feed(kafka: KafkaSettings) -> None:
+    """Resuming a stream of this gateway's own partition (or replaying a finished one: GET ?stream=true, not
+    rate limited) rewinds the gateway's *only* feed of that partition to the stream's first offset, up to the
+    resume window (15 min) back. Every other open stream of the gateway sits behind the re-read of that whole
+    backlog (and the routing loop never yields inside a fetched batch, so the event loop itself is blocked for
+    each batch): their next token waits until the feed is back at the head. Here 250k records (a busy gateway's
+    partition writes that within the window) stall an unrelated live stream's next token; any org's client can
+    do it to every other org's streams on that gateway, repeatedly. (demux.py _Feed.add/_run: one consumer per
+    partition, rewound in place.)"""
+    topic = kafka.topic(TOPICS.tokens.name)
+    codec = codec_for(TokenEvent)
+    producer = make_producer(kafka, role="test")
+    await producer.start()
+    try:
+        old = (await producer.send_and_wait(topic, codec.encode(token("old", 0, final=True)), key=b"old",
+                                            partition=BACKLOG)).offset
+        other = codec.encode(token("someone-else", 0))
+        for _ in range(50):
+            sends = [await producer.send(topic, other, key=b"someone-else", partition=BACKLOG) for _ in range(5000)]
+            await asyncio.gather(*sends)
+        relay = Relay(kafka, topic, BACKLOG)
+        await relay.start()
+        try:
+            live = relay.register("live")
+            await producer.send_and_wait(topic, codec.encode(token("live", 0)), key=b"live", partition=BACKLOG)
+            await asyncio.wait_for(live.get(), 10)
+            head = relay.position
+            replay = await relay.resume("old", BACKLOG, old, skip_through=0)  # a replay of a finished stream
+            # until the feed went back (not before: see the rewind race above)
+            await wait_for(lambda: relay.position < head, timeout_s=10, interval_s=0)
+            await producer.send_and_wait(topic, codec.encode(token("live", 1)), key=b"live", partition=BACKLOG)
+            sent = time.monotonic()
+            await asyncio.wait_for(live.get(), 60)
+            stalled_s = time.monotonic() - sent
+            await drain(replay, 60)
+        finally:
+            await relay.stop()
+    finally:
+        await producer.stop()
+    assert stalled_s < 0.5, f"a live stream's token waited {stalled_s:.2f} s behind another stream's replay"
+
+
+# --- stored completions -------------------------------------------------------------------------------------------
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def store(stack: Settings) -> AsyncIterator[CompletionStore]:
+    cluster, session = await connect_async(stack.cassandra)
+    yield await CompletionStore.open(session, stack.cassandra.keyspace)
+    await asyncio.to_thread(cluster.shutdown)
+
+
+def stored(org: str, created_at: datetime, **metadata: str) -> StoredCompletion:
+    return StoredCompletion(completion_id=f"chatcmpl-{uuid.uuid4().hex}", org_id=org, key_id="k", model="m",
+                            created_at=created_at, messages=[ChatMessage(role="user", content="hi")],
+                            metadata=metadata, text="hello", finish_reason="stop",
+                            usage=TokenUsage(prompt_tokens=1, completion_tokens=1))
+
+
+async def test_a_filtered_listing_that_hits_the_scan_limit_says_it_has_more(
+        store: CompletionStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``CompletionStore.page`` filters metadata/model after reading the index, and stops after ``SCAN_LIMIT``
+    (2000) index rows. It then answers ``has_more: false`` whatever it did not scan: an org with more than 2000
+    stored completions in the window that lists ``metadata[tag]=x`` gets an empty (or short) page claiming to be
+    complete, and its matching older completions are unreachable (no cursor to go on from either). Shown with
+    the limit lowered to 10 and 30 completions (one index batch is 20 rows). (completions.py page:
+    ``Page(found[:limit], len(found) > limit)`` ignores ``scanned >= SCAN_LIMIT``.)"""
+    monkeypatch.setattr(completions, "SCAN_LIMIT", 10)
+    org = f"org-review-{uuid.uuid4().hex[:8]}"
+    now = datetime.now(UTC)
+    wanted = stored(org, now - timedelta(minutes=30), tag="rare")
+    await store.write(wanted)
+    for i in range(29):
+        await store.write(stored(org, now - timedelta(minutes=29 - i)))
+    page = await store.page(org, after=None, limit=5, ascending=False, model=None, metadata={"tag": "rare"})
+    found = [row["completion_id"] for row in page.items]
+    assert found == [wanted.completion_id] or page.has_more, (
+        f"the listing claims to be complete ({found}, has_more={page.has_more}) but a matching completion exists")
+
+
+async def test_a_listing_early_in_march_includes_live_completions_of_late_january(
+        store: CompletionStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A listing reads this month's and last month's index partitions only (``months = [previous_month(now),
+    now]``), on the claim that the 30-day TTL bounds the rest. After a February (28 or 29 days) that is false: a
+    completion created on January 30 or 31 is live (GET by id finds it) until March 1 or 2, but a listing on
+    March 1 reads only 2027-03 and 2027-02 and never shows it. (completions.py page, previous_month.)"""
+    org = f"org-review-{uuid.uuid4().hex[:8]}"
+    january = stored(org, datetime(2027, 1, 31, 12, 0, tzinfo=UTC))
+    await store.write(january)
+    monkeypatch.setattr(completions, "utcnow", lambda: datetime(2027, 3, 1, 12, 0, tzinfo=UTC))
+    assert await store.get(january.completion_id, org) is not None  # live: retrieved by id
+    page = await store.page(org, after=None, limit=20, ascending=False, model=None, metadata={})
+    assert [row["completion_id"] for row in page.items] == [january.completion_id]
