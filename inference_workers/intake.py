@@ -444,6 +444,9 @@ class Intake:
     @staticmethod
     def _took_over(job: Job, prefix: EmittedPrefix) -> None:
         job.prefix, job.tokens, job.ran = prefix, prefix.tokens, prefix.tokens > 0
+        # What earlier attempts emitted was relayed by some gateway, or is resumable: a later unattended cancel
+        # bills at least that (a new Job knows nothing of the presence checks of the attempts before it).
+        job.attended_tokens = max(job.attended_tokens, prefix.tokens)
         if job.request.store:
             job.text_parts = [prefix.text]
 

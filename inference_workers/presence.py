@@ -43,6 +43,9 @@ class GatewayPresence:
         self._grace = grace_s
         self._streams = streams
         self._unattended_since: dict[str, float] = {}
+        #: the last listener seen for each stream: a live gateway relaying it stays its listener even if Redis lost
+        #: the stream record (a restart, its TTL)
+        self._listener: dict[str, str] = {}
 
     async def run(self) -> None:
         while True:
@@ -51,8 +54,9 @@ class GatewayPresence:
 
     async def check(self) -> None:
         jobs = [j for j in self._intake.jobs.values() if announces_liveness(j.request.reply.gateway_id)]
-        self._unattended_since = {r: t for r, t in self._unattended_since.items()
-                                  if any(j.request.request_id == r for j in jobs)}
+        running = {j.request.request_id for j in jobs}
+        self._unattended_since = {r: t for r, t in self._unattended_since.items() if r in running}
+        self._listener = {r: g for r, g in self._listener.items() if r in running}
         if not jobs:
             return
         try:
@@ -82,7 +86,11 @@ class GatewayPresence:
         """The orphans some live gateway resumed."""
         if not orphans or self._streams is None:
             return set()
-        listeners = await self._streams.listeners([j.request.request_id for j in orphans])
+        found = await self._streams.listeners([j.request.request_id for j in orphans])
+        listeners = [g or self._listener.get(j.request.request_id) for j, g in zip(orphans, found, strict=True)]
+        for job, gateway in zip(orphans, listeners, strict=True):
+            if gateway:
+                self._listener[job.request.request_id] = gateway
         named = {g for g in listeners if g}
         alive = await self._alive(named) if named else {}
         return {j.request.request_id for j, g in zip(orphans, listeners, strict=True) if g and alive.get(g)}

@@ -18,6 +18,7 @@ usage (``K + 2``). An SSE event's id is ``<request id>:<position>``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,8 @@ from runtime.settings import RedisSettings
 
 #: what an event id looks like: ``chatcmpl-…:12``
 ID_SEPARATOR = ":"
+#: ASCII digits only (``str.isdigit`` takes '²', which ``int`` refuses)
+_POSITION = re.compile(r"[0-9]{1,9}")
 
 
 @dataclass(frozen=True)
@@ -45,17 +48,20 @@ class StreamRecord:
     #: the gateway process that accepted it
     gateway_id: str
     user: str = ""
+    #: the request's queue deadline (Unix seconds; 0: unknown): a resumed stream waits for its first token as long
+    deadline_at: float = 0.0
 
     def to_redis(self) -> Mapping[Any, Any]:
         return {"org": self.org_id, "partition": self.partition, "from": self.from_offset, "model": self.model,
                 "created": self.created, "usage": int(self.include_usage), "gateway": self.gateway_id,
-                "user": self.user}
+                "user": self.user, "deadline": self.deadline_at}
 
     @classmethod
     def from_redis(cls, request_id: str, data: Mapping[Any, Any]) -> StreamRecord | None:
         try:
             return cls(request_id, data["org"], int(data["partition"]), int(data["from"]), data["model"],
-                       int(data["created"]), data.get("usage") == "1", data["gateway"], data.get("user", ""))
+                       int(data["created"]), data.get("usage") == "1", data["gateway"], data.get("user", ""),
+                       float(data.get("deadline", 0)))
         except (KeyError, ValueError):
             return None  # partly written (a Redis restart between fields cannot happen: one HSET), or foreign
 
@@ -67,7 +73,7 @@ def event_id(request_id: str, position: int) -> str:
 def parse_event_id(value: str) -> tuple[str, int] | None:
     """``(request id, position)`` of an SSE event id; None when it is not one of ours."""
     request_id, sep, position = value.strip().rpartition(ID_SEPARATOR)
-    if not sep or not request_id or not position.isdigit() or len(position) > 9:
+    if not sep or not request_id or not _POSITION.fullmatch(position):
         return None
     return request_id, int(position)
 

@@ -94,8 +94,10 @@ class Accepted:
     #: prompt + completion tokens of the worker's final (what it billed)
     used_tokens: int | None = None
     model: str = ""
-    #: a resumed stream: the position its client has (-1: nothing, not even the role chunk)
+    #: a resumed stream: the position its client has (-1: nothing, not even the role chunk), and its request's
+    #: queue deadline (Unix seconds, 0: unknown)
     client_has: int | None = None
+    deadline_at: float = 0.0
 
     def __post_init__(self) -> None:
         if self.request is not None:
@@ -103,7 +105,7 @@ class Accepted:
 
     @property
     def request_id(self) -> str:
-        return self.collector.request_id
+        return self.request.request_id if self.request is not None else self.collector.request_id
 
     @property
     def resumed(self) -> bool:
@@ -180,8 +182,14 @@ class ChatService:
         accepted = Accepted(request, collector, traceparent, body.include_usage, received_at, created=created,
                             queue_deadline_s=self.queue_deadline_s(key.tier), ticket=ticket)
         if request.stream:
-            self._open[request.request_id] = accepted
+            self._track(accepted)
         return accepted
+
+    def _track(self, accepted: Accepted) -> None:
+        """An open stream, handed over if the gateway stops (at once if it is stopping already)."""
+        self._open[accepted.request_id] = accepted
+        if self._handing_over:
+            accepted.collector.fail("the gateway is stopping", ErrorCode.GATEWAY_STOPPING)
 
     async def _admit(self, request_id: str, tokens: int, key: ApiKey, budget: BudgetHold | None) -> Ticket:
         admitting = asyncio.ensure_future(self._admission.admit(request_id, tokens, key, budget))
@@ -219,8 +227,8 @@ class ChatService:
         if self._streams is None:
             return
         record = StreamRecord(request.request_id, request.org_id, self._reply.partition, collector.from_offset,
-                              request.model,
-                              created, include_usage, self._reply.gateway_id, request.user or "")
+                              request.model, created, include_usage, self._reply.gateway_id, request.user or "",
+                              request.deadline_at.timestamp() if request.deadline_at else 0.0)
         try:
             await self._streams.record(record)
         except STREAM_STORE_ERRORS as exc:
@@ -258,8 +266,8 @@ class ChatService:
         log.info("stream resumed", extra={"request_id": request_id, "client_has": client_has,
                                           "partition": record.partition, "accepted_by": record.gateway_id})
         accepted = Accepted(None, collector, traceparent, record.include_usage, received_at, created=record.created,
-                            model=record.model, client_has=client_has)
-        self._open[request_id] = accepted
+                            model=record.model, client_has=client_has, deadline_at=record.deadline_at)
+        self._track(accepted)
         return accepted
 
     async def _stream_record(self, request_id: str) -> StreamRecord | None:
@@ -282,7 +290,14 @@ class ChatService:
 
     def _patience(self, accepted: Accepted) -> float:
         """How long to wait for the next delta: the first token until the deadline's grace, then the idle gap."""
-        if accepted.first_token_at is None and not accepted.resumed:
+        settings = self._settings
+        if accepted.resumed:
+            if accepted.collector.delivered:
+                return settings.stream_idle_timeout_s
+            # Resumed before its first token: it may still be queued, as long as its deadline allows.
+            queued = (accepted.deadline_at - time.time() if accepted.deadline_at else settings.queue_deadline_s)
+            return max(settings.stream_idle_timeout_s, queued + settings.first_token_grace_s)
+        if accepted.first_token_at is None:
             deadline_s = accepted.queue_deadline_s or self._settings.queue_deadline_s
             return accepted.received_at + deadline_s + self._settings.first_token_grace_s - time.perf_counter()
         return self._settings.stream_idle_timeout_s
@@ -321,7 +336,9 @@ class ChatService:
         try:
             while True:
                 delta = await self._next(accepted)
-                if delta.error_code == ErrorCode.GATEWAY_STOPPING and self._handing_over:
+                if delta.error_code == ErrorCode.GATEWAY_STOPPING:
+                    # Stopping, or its relay feed failed: the generation goes on, the client resumes (here or
+                    # on another gateway) from its last event.
                     outcome = "handed_over"
                     GATEWAY_HANDOVERS.inc()
                     raise HandedOver(accepted.request_id)

@@ -6,10 +6,11 @@ Register a request *before* producing it and unregister in ``finally``; events f
 whose client already left) are counted and dropped without being decoded.
 
 Resuming a stream (``runtime/streams.py``) registers it on the partition its tokens live on, from an offset at
-or before its first event: the gateway's own partition (the same instance restarted) or another one, which gets
-a feed of its own for as long as streams resumed from it are open. A resume from an offset the feed has passed
-rewinds the feed; each stream remembers the next offset it takes, so the streams already on the feed see no
-record twice.
+or before its first event, on a feed of resumed streams of that partition (a second consumer, even for this
+gateway's own partition, opened for as long as resumed streams are open): the live feed never goes back. A resume
+from an offset that feed has passed rewinds it; each stream remembers the next offset it takes, so the streams
+already on the feed see no record twice (a resume far back delays the other *resumed* streams of its partition
+while the feed catches up).
 
 The relay reads ``read_uncommitted``: token deltas are not transactional (a transaction per token would
 cost milliseconds each) and only a request's final event rides in the worker's transaction; waiting for
@@ -41,9 +42,11 @@ from schemas.events import ErrorCode, TokenEvent
 
 log = logging.getLogger(__name__)
 
-#: a feed of another gateway's partition stays this long after its last resumed stream closed (a wave of resumes
-#: after a gateway died arrives over a few seconds: one feed serves them all)
+#: a feed of resumed streams stays this long after its last one closed (a wave of resumes after a gateway died
+#: arrives over a few seconds: one feed serves them all)
 IDLE_FEED_S = 30.0
+#: records routed between two yields to the event loop
+YIELD_EVERY = 1000
 
 
 @dataclass
@@ -107,10 +110,14 @@ class _Feed:
                     consumer.seek(self.tp, self._rewind_to)
                     self.position, self._rewind_to = min(self.position, self._rewind_to), None
                 batch = await consumer.getmany(self.tp, timeout_ms=200)
-                for record in batch.get(self.tp, ()):
-                    await self._route(record)
+                for n, record in enumerate(batch.get(self.tp, ())):
                     if self._rewind_to is not None:
-                        break  # the rest of this fetch is read again from the rewind
+                        # A resume asked for records this fetch may be past: none is routed before the seek,
+                        # or the resumed stream would take a live record first and drop its own backlog.
+                        break
+                    await self._route(record)
+                    if n % YIELD_EVERY == YIELD_EVERY - 1:
+                        await asyncio.sleep(0)  # a large backlog must not hold the event loop for a whole fetch
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -204,8 +211,11 @@ class Relay:
 
     async def resume(self, request_id: str, partition: int, from_offset: int, *, skip_through: int) -> StreamCollector:
         """An existing stream, merged from ``from_offset`` of ``partition``; its deltas through position
-        ``skip_through`` are merged but not handed out (its client has them)."""
-        feed = self._own if partition == self.partition.partition else await self._feed(partition, from_offset)
+        ``skip_through`` are merged but not handed out (its client has them). Always on a feed of resumed streams,
+        this gateway's own partition included: a resume far back rewinds that feed, never the live one."""
+        if request_id in self._where:
+            raise ValueError(f"request {request_id} is already registered")
+        feed = await self._feed(partition, from_offset)
         return self._add(feed, request_id, StreamCollector(request_id, skip_through=skip_through), from_offset)
 
     def _add(self, feed: _Feed, request_id: str, collector: StreamCollector, from_offset: int | None
@@ -233,6 +243,7 @@ class Relay:
             await stale.stop()
         feed = _Feed(self._kafka, TopicPartition(self.partition.topic, partition), self)
         await feed.start(from_offset)
+        feed.idle_since = time.monotonic()  # closed when idle, even if the resume that opened it went away
         self._others[partition] = feed
         return feed
 

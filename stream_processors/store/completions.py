@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import orjson
@@ -36,9 +36,13 @@ def month_of(at: datetime) -> str:
     return at.astimezone(UTC).strftime("%Y-%m")
 
 
-def previous_month(month: str) -> str:
-    year, number = (int(p) for p in month.split("-"))
-    return f"{year - 1}-12" if number == 1 else f"{year}-{number - 1:02d}"
+def months_within(now: datetime, seconds: float) -> list[str]:
+    """The index months that can hold a row created in the last ``seconds`` before ``now``, oldest first."""
+    months, at = [], (now - timedelta(seconds=seconds)).astimezone(UTC).replace(day=1)
+    while (month := month_of(at)) <= month_of(now):
+        months.append(month)
+        at = (at + timedelta(days=32)).replace(day=1)
+    return months
 
 
 @dataclass(frozen=True)
@@ -120,8 +124,9 @@ class CompletionStore:
             if row is None:
                 raise KeyError(after)
             cursor = (row["created_at"], after)
-        now = month_of(utcnow())
-        months = [previous_month(now), now] if ascending else [now, previous_month(now)]
+        months = months_within(utcnow(), RETENTION_S)
+        if not ascending:
+            months.reverse()
         found: list[dict[str, Any]] = []
         scanned = 0
         for month in months:  # a cursor in another month leaves this one's slice whole or empty
@@ -136,7 +141,8 @@ class CompletionStore:
                 found += [r for r in rows if r is not None and _has(r, metadata)]
             if len(found) > limit:
                 break
-        return Page(found[:limit], len(found) > limit)
+        # Past the scan limit the rest was not looked at: say so (the last item is the cursor to go on from).
+        return Page(found[:limit], len(found) > limit or scanned >= SCAN_LIMIT)
 
     async def _index_page(self, org_id: str, month: str, cursor: tuple[datetime, str] | None, ascending: bool,
                           *, batch: int) -> list[dict[str, Any]]:

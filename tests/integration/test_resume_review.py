@@ -118,7 +118,7 @@ async def test_a_resume_far_behind_does_not_stall_the_other_streams_of_the_feed(
     rate limited) rewinds the gateway's *only* feed of that partition to the stream's first offset, up to the
     resume window (15 min) back. Every other open stream of the gateway sits behind the re-read of that whole
     backlog (and the routing loop never yields inside a fetched batch, so the event loop itself is blocked for
-    each batch): their next token waits until the feed is back at the head. Here 250k records (a busy gateway's
+    each batch): their next token waits until the feed is back at the head. Here 100k records (a busy gateway's
     partition writes that within the window) stall an unrelated live stream's next token; any org's client can
     do it to every other org's streams on that gateway, repeatedly. (demux.py _Feed.add/_run: one consumer per
     partition, rewound in place.)"""
@@ -130,7 +130,7 @@ async def test_a_resume_far_behind_does_not_stall_the_other_streams_of_the_feed(
         old = (await producer.send_and_wait(topic, codec.encode(token("old", 0, final=True)), key=b"old",
                                             partition=BACKLOG)).offset
         other = codec.encode(token("someone-else", 0))
-        for _ in range(50):
+        for _ in range(20):
             sends = [await producer.send(topic, other, key=b"someone-else", partition=BACKLOG) for _ in range(5000)]
             await asyncio.gather(*sends)
         relay = Relay(kafka, topic, BACKLOG)
@@ -141,8 +141,8 @@ async def test_a_resume_far_behind_does_not_stall_the_other_streams_of_the_feed(
             await asyncio.wait_for(live.get(), 10)
             head = relay.position
             replay = await relay.resume("old", BACKLOG, old, skip_through=0)  # a replay of a finished stream
-            # until the feed went back (not before: see the rewind race above)
-            await wait_for(lambda: relay.position < head, timeout_s=10, interval_s=0)
+            await asyncio.sleep(0.3)  # the replay's feed is re-reading the backlog
+            assert relay.position >= head  # the live feed never went back
             await producer.send_and_wait(topic, codec.encode(token("live", 1)), key=b"live", partition=BACKLOG)
             sent = time.monotonic()
             await asyncio.wait_for(live.get(), 60)
