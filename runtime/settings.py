@@ -211,6 +211,9 @@ class WorkerSettings(BaseModel):
     def _default_instance(self) -> WorkerSettings:
         if not self.instance_id:
             self.instance_id = f"worker-{socket.gethostname()}-{self.admin_port}"
+        if self.liveness_ttl_s and (self.liveness_ttl_s < 0.05 or self.liveness_renew_s <= 0):
+            raise ValueError(f"worker.liveness_ttl_s ({self.liveness_ttl_s}) must be 0 (off) or at least 0.05, and "
+                             f"worker.liveness_renew_s ({self.liveness_renew_s}) positive")
         if self.liveness_ttl_s and self.liveness_renew_s * 3 > self.liveness_ttl_s:
             raise ValueError(f"worker.liveness_renew_s ({self.liveness_renew_s}) must be at most a third of "
                              f"worker.liveness_ttl_s ({self.liveness_ttl_s}): two late renewals would evict a live "
