@@ -1,4 +1,4 @@
-"""Test helpers: our services as real subprocesses, and readers of what they wrote to Kafka."""
+"""Test helpers: our services as real subprocesses, readers of what they wrote to Kafka, token events for a relay."""
 
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ from pathlib import Path
 import httpx
 from aiokafka import TopicPartition
 
+from producers.relay.collector import Delta, StreamCollector
 from runtime.kafka_clients import all_partitions, make_consumer, read_to_end
 from runtime.settings import REPO_ROOT, KafkaSettings
 from schemas.codec import EventCodec
-from schemas.events import Event
+from schemas.events import Event, TokenEvent, TokenUsage
 
 # One folder per test session port base: two sessions on one machine keep their own logs.
 LOG_DIR = REPO_ROOT / ".local" / "test-logs" / os.environ.get("KNS_TEST_PORT_BASE", "18000")
@@ -131,3 +132,21 @@ async def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.1):
             return value
         await asyncio.sleep(interval_s)
     return value
+
+
+def token_event(request_id: str, seq: int, text: str | None = None, final: bool = False) -> TokenEvent:
+    """One token event of attempt 1 (token id = seq; text ``<seq>`` unless given); ``final`` ends the stream."""
+    return TokenEvent(request_id=request_id, attempt=1, seq=seq, token_offset=seq, token_ids=[seq],
+                      text=f"<{seq}>" if text is None else text, finish_reason="stop" if final else None,
+                      usage=TokenUsage(prompt_tokens=1, completion_tokens=seq + 1) if final else None,
+                      worker_id="test", emitted_at_us=time.time_ns() // 1000)
+
+
+async def drain_stream(collector: StreamCollector, timeout_s: float = 10) -> tuple[str, Delta]:
+    """A relay collector's deltas to its end: (the text, the last delta)."""
+    parts = []
+    while True:
+        delta = await asyncio.wait_for(collector.get(), timeout_s)
+        parts.append(delta.text)
+        if delta.finished:
+            return "".join(parts), delta

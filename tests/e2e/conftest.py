@@ -21,14 +21,20 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 GATEWAY_PORTS = (GATEWAY_PORT, GATEWAY_PORT + 4, GATEWAY_PORT + 5)
 
 
+def gateway_process(port: int, service_env: dict[str, str], instance: str | None = None, **env: str
+                    ) -> ServiceProcess:
+    """Another gateway process on the session's stack (``env``: its own settings)."""
+    return ServiceProcess(f"gateway-{port}", "gateway",
+                          {**service_env, "KNS_GATEWAY__PORT": str(port),
+                           "KNS_GATEWAY__INSTANCE_ID": instance or f"test-gateway-{port}-{SESSION}", **env},
+                          f"http://127.0.0.1:{port}/health")
+
+
 @pytest.fixture(scope="module")
 def three_gateways(gateway: ServiceProcess, service_env: dict[str, str]) -> Iterator[tuple[int, ...]]:
     """Three gateway processes on one stack: the session's and two more, for the module that asks (stopped after
     it, so that nothing else runs beside them)."""
-    procs = [ServiceProcess(f"gateway-{port}", "gateway",
-                            {**service_env, "KNS_GATEWAY__PORT": str(port),
-                             "KNS_GATEWAY__INSTANCE_ID": f"test-gateway-{port}-{SESSION}"},
-                            f"http://127.0.0.1:{port}/health") for port in GATEWAY_PORTS[1:]]
+    procs = [gateway_process(port, service_env) for port in GATEWAY_PORTS[1:]]
     for proc in procs:
         proc.start()
     try:

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.conftest import GATEWAY_PORT, SESSION, Caller
-from tests.e2e.conftest import MODEL
+from tests.e2e.conftest import MODEL, gateway_process
 from tests.helpers import ServiceProcess, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -41,13 +41,6 @@ class Received:
 
     def positions(self) -> list[int]:
         return [int(i.rpartition(":")[2]) for i in self.ids]
-
-
-def gateway_process(port: int, service_env: dict[str, str], **env: str) -> ServiceProcess:
-    return ServiceProcess(f"gateway-{port}", "gateway",
-                          {**service_env, "KNS_GATEWAY__PORT": str(port),
-                           "KNS_GATEWAY__INSTANCE_ID": f"test-gateway-{port}-{SESSION}", **env},
-                          f"http://127.0.0.1:{port}/health")
 
 
 @pytest.fixture()

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from tests.conftest import GATEWAY_PORT, SESSION, Caller
-from tests.e2e.conftest import MODEL, QUESTION
+from tests.e2e.conftest import MODEL, QUESTION, gateway_process
 from tests.helpers import ServiceProcess
 
 pytestmark = pytest.mark.e2e
@@ -19,9 +19,7 @@ SECOND_PORT = GATEWAY_PORT + 1
 
 @pytest.fixture(scope="module")
 def second_gateway(gateway: ServiceProcess, service_env: dict[str, str]) -> Iterator[ServiceProcess]:
-    env = {**service_env, "KNS_GATEWAY__PORT": str(SECOND_PORT),
-           "KNS_GATEWAY__INSTANCE_ID": f"test-gateway-b-{SESSION}"}
-    proc = ServiceProcess("gateway-b", "gateway", env, f"http://127.0.0.1:{SECOND_PORT}/health")
+    proc = gateway_process(SECOND_PORT, service_env, f"test-gateway-b-{SESSION}")
     proc.start()
     try:
         proc.wait_healthy(120)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -11,19 +10,13 @@ from producers.relay.demux import Relay
 from runtime.kafka_clients import make_producer
 from runtime.settings import KafkaSettings
 from schemas.codec import codec_for
-from schemas.events import TokenEvent, TokenUsage
+from schemas.events import TokenEvent
 from schemas.topics import TOPICS
+from tests.helpers import token_event as token
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.integration
 PARTITION = 15
-
-
-def token(rid: str, seq: int, text: str, final: bool = False) -> TokenEvent:
-    return TokenEvent(request_id=rid, attempt=1, seq=seq, token_offset=seq, token_ids=[seq], text=text,
-                      finish_reason="stop" if final else None,
-                      usage=TokenUsage(prompt_tokens=1, completion_tokens=seq + 1) if final else None,
-                      worker_id="test", emitted_at_us=time.time_ns() // 1000)
 
 
 async def test_relay_routes_each_request_its_own_tokens_in_order(kafka: KafkaSettings) -> None:

@@ -4,36 +4,20 @@ feed has passed (a rewind), each delta once, in order, the client's part skipped
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
-from producers.relay.collector import Delta, StreamCollector
 from producers.relay.demux import Relay
 from runtime.kafka_clients import make_producer
 from runtime.settings import KafkaSettings
 from schemas.codec import codec_for
-from schemas.events import TokenEvent, TokenUsage
+from schemas.events import TokenEvent
 from schemas.topics import TOPICS
+from tests.helpers import drain_stream as drain
+from tests.helpers import token_event as token
 
 pytestmark = pytest.mark.integration
 OWN, OTHER = 13, 14
-
-
-def token(rid: str, seq: int, final: bool = False) -> TokenEvent:
-    return TokenEvent(request_id=rid, attempt=1, seq=seq, token_offset=seq, token_ids=[seq], text=f"<{seq}>",
-                      finish_reason="stop" if final else None,
-                      usage=TokenUsage(prompt_tokens=1, completion_tokens=seq + 1) if final else None,
-                      worker_id="test", emitted_at_us=time.time_ns() // 1000)
-
-
-async def drain(collector: StreamCollector) -> tuple[str, Delta]:
-    parts = []
-    while True:
-        delta = await asyncio.wait_for(collector.get(), 10)
-        parts.append(delta.text)
-        if delta.finished:
-            return "".join(parts), delta
 
 
 async def test_a_stream_resumes_from_another_partition_with_backlog_then_live_events(kafka: KafkaSettings) -> None:
@@ -82,7 +66,8 @@ async def test_a_resume_behind_the_feed_rewinds_it_without_repeating_events_to_o
         await asyncio.wait_for(live.get(), 10)
         resumed = await relay.resume("old", OWN, early, skip_through=0)  # rewinds the feed to `early`
         for seq, final in ((1, False), (2, True)):
-            await producer.send_and_wait(topic, codec.encode(token("live", seq, final)), key=b"live", partition=OWN)
+            await producer.send_and_wait(topic, codec.encode(token("live", seq, final=final)), key=b"live",
+                                         partition=OWN)
         await producer.send_and_wait(topic, codec.encode(token("old", 2, final=True)), key=b"old", partition=OWN)
         text, _ = await drain(resumed)
         assert text == "<0><1><2>"

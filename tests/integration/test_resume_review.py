@@ -13,7 +13,6 @@ import pytest
 import pytest_asyncio
 
 from producers.relay import demux
-from producers.relay.collector import Delta, StreamCollector
 from producers.relay.demux import Relay
 from runtime.cassandra_client import connect_async
 from runtime.kafka_clients import make_producer
@@ -23,27 +22,13 @@ from schemas.events import ChatMessage, StoredCompletion, TokenEvent, TokenUsage
 from schemas.topics import TOPICS
 from stream_processors.store import completions
 from stream_processors.store.completions import CompletionStore
+from tests.helpers import drain_stream as drain
+from tests.helpers import token_event as token
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.integration
 #: partitions of the token topic of their own (test_relay_resume.py uses 13 and 14)
 RACE, IDLE_OWN, IDLE_OTHER, BACKLOG = 9, 10, 11, 12
-
-
-def token(rid: str, seq: int, final: bool = False) -> TokenEvent:
-    return TokenEvent(request_id=rid, attempt=1, seq=seq, token_offset=seq, token_ids=[seq], text=f"<{seq}>",
-                      finish_reason="stop" if final else None,
-                      usage=TokenUsage(prompt_tokens=1, completion_tokens=seq + 1) if final else None,
-                      worker_id="test", emitted_at_us=time.time_ns() // 1000)
-
-
-async def drain(collector: StreamCollector, timeout_s: float = 10) -> tuple[str, Delta]:
-    parts = []
-    while True:
-        delta = await asyncio.wait_for(collector.get(), timeout_s)
-        parts.append(delta.text)
-        if delta.finished:
-            return "".join(parts), delta
 
 
 # --- relay ------------------------------------------------------------------------------------------------------
