@@ -345,3 +345,36 @@ def failover(
                       cell(max((g for r in part["rounds"] for g in r["gaps_s"]), default=None)))
     console.print(table)
     console.print(f"[green]saved[/green] {save('failover', result)}")
+
+
+@app.command("transport")
+def transport(
+    levels: str = typer.Option("1,8,64,256", help="Concurrencies, synthetic engine."),
+    vllm_levels: str = typer.Option("1,8", help="Concurrencies with the real engine (empty: none)."),
+    rounds: int = typer.Option(2, min=1, help="Waves of streams per concurrency."),
+    tokens: int = typer.Option(64, min=2, help="Tokens per stream."),
+    port_base: int = typer.Option(17800, help="First port of the bench stack's services."),
+) -> None:
+    """Kafka records and bytes per generated token: one record per delta (v2) vs one per engine step (v3)."""
+    from bench.transport import run
+
+    def parse(text: str) -> list[int]:
+        return [int(v) for v in text.split(",") if v.strip()]
+
+    result = asyncio.run(run(load_settings(), levels=parse(levels), vllm_levels=parse(vllm_levels), rounds=rounds,
+                             tokens=tokens, port_base=port_base, say=lambda m: console.print(f"[dim]•[/dim] {m}")))
+    table = Table(title=f"token transport ({tokens} tokens per stream, {rounds} waves)")
+    for column in ("engine", "c", "records", "records/token v2", "records/token v3", "bytes/token v2",
+                   "bytes/token v3", "deltas/record v3", "completed"):
+        table.add_column(column, justify="right")
+    by_key = {(r["engine"], r["concurrency"], r["version"]): r for r in result["rows"]}
+    for (engine, c, version), row in by_key.items():
+        if version != 3:
+            continue
+        old = by_key.get((engine, c, 2), {})
+        table.add_row(engine, str(c), f"{old.get('records', '-')} → {row['records']}",
+                      str(old.get("records_per_token", "-")), str(row["records_per_token"]),
+                      str(old.get("bytes_per_token", "-")), str(row["bytes_per_token"]), str(row["deltas_per_record"]),
+                      f"{row['completed']}/{row['streams']}")
+    console.print(table)
+    console.print(f"[green]saved[/green] {save('transport', result)}")

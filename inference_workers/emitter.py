@@ -1,12 +1,13 @@
-"""The worker's outputs: token deltas as they come, and one transaction per partition for finished requests.
+"""The worker's commits: one transaction per request partition for finished requests.
 
-Deltas go through an idempotent producer straight to the requesting gateway's reply partition — a Kafka
-transaction per token would cost milliseconds each. What must be exactly-once goes through the
-:class:`Finalizer`: a finished request's final token event and its usage event, together with its request
-partition's committable offset (and state, see ``offsets.py``), are produced in one transaction by that
-partition's own producer (``transactions.py``), so an owner that lost the partition is fenced. A crash before
-the commit leaves neither usage nor offset: the request is taken over again. The final event is produced only
-after the request's last delta is acknowledged, so it lands behind every delta in the reply partition.
+Deltas go through an idempotent producer straight to the requesting gateway's reply partition, one record per
+engine step per partition (``token_sink.py``): a Kafka transaction per token would cost milliseconds each. What
+must be exactly-once goes through the :class:`Finalizer`: a finished request's final token event and its usage
+event, together with its request partition's committable offset (and state, see ``offsets.py``), are produced in
+one transaction by that partition's own producer (``transactions.py``), so an owner that lost the partition is
+fenced. A crash before the commit leaves neither usage nor offset: the request is taken over again. The final
+event is produced only after the request's last delta is acknowledged, so it lands behind every delta in the
+reply partition.
 
 Failures, by kind: a fenced producer means the partition moved (its requests are the new owner's now, not an
 error); a producer left unusable otherwise stops the worker (re-initialising its transactional id could fence the
@@ -61,22 +62,6 @@ def transient(exc: BaseException) -> bool:
 
 class PartitionLost(Exception):
     """The request partition moved to another worker before this commit: its new owner finishes the request."""
-
-
-class TokenSink:
-    """Produces non-final token events to a reply partition."""
-
-    def __init__(self, producer: AIOKafkaProducer, topic: str) -> None:
-        self._producer = producer
-        self._topic = topic
-        self._codec = codec_for(TokenEvent)
-
-    async def emit(self, event: TokenEvent, partition: int, traceparent: str | None) -> Delivery:
-        """Enqueue one event; returns its delivery future (the caller watches it: a lost delta ends the stream)."""
-        return await self._producer.send(
-            self._topic, value=self._codec.encode(event), key=event.request_id.encode(), partition=partition,
-            headers=to_headers(traceparent) if traceparent else None,
-        )
 
 
 @dataclass

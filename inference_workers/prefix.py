@@ -24,6 +24,7 @@ from runtime.settings import KafkaSettings
 from schemas.codec import codec_for
 from schemas.errors import DecodeError
 from schemas.events import ChatRequest, TokenEvent
+from schemas.token_batch import may_carry
 from schemas.token_stream import TokenStream
 
 log = logging.getLogger(__name__)
@@ -75,15 +76,19 @@ class PrefixReader:
         while await consumer.position(tp) < end:
             batch = await consumer.getmany(tp, timeout_ms=1000)
             for record in batch.get(tp, ()):
-                if record.key != key or record.value is None:
+                if record.value is None or (record.key != key if record.key is not None
+                                            else not may_carry(record.value, key)):
                     continue
                 try:
-                    event = self._codec.decode(record.value)
+                    events = self._codec.decode(record.value).split()
                 except DecodeError:
                     continue
-                accepted = stream.put(event)
-                if accepted is not None and accepted.text:
-                    text.append(accepted.text)
+                for event in events:
+                    if event.request_id != request.request_id:
+                        continue
+                    accepted = stream.put(event)
+                    if accepted is not None and accepted.text:
+                        text.append(accepted.text)
         return EmittedPrefix(list(stream.token_ids), "".join(text), stream.attempt, stream.final, stream.error)
 
     @staticmethod

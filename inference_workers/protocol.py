@@ -80,7 +80,7 @@ class SettlementsT(Protocol):
 
 
 class TokenSinkT(Protocol):
-    """Produces a request's non-final token events (``emitter.TokenSink``)."""
+    """Produces a request's non-final token events (``token_sink.TokenSink``)."""
 
     async def emit(self, event: TokenEvent, partition: int, traceparent: str | None) -> Delivery: ...
 

@@ -1,5 +1,8 @@
 """A synthetic engine: tokens at a fixed rate per request, no model. Same protocol as the vLLM engine.
 
+Like a batching engine, it steps every running request at once: all of a step's tokens come out together, on a
+fixed clock (a new request's first token at the next step), which is what the worker's token records are shaped by.
+
 For measuring everything around the engine (Kafka, the worker's emitter, the gateway's relay) at loads no real
 engine on this machine could produce, and for checking streams token by token under faults (``kns chaos``):
 like a real model, each token is a function of what precedes it, so a generation continued from an emitted
@@ -10,6 +13,7 @@ only when it is generated again from the start. Never the default; selected with
 from __future__ import annotations
 
 import asyncio
+import math
 import zlib
 from collections.abc import AsyncGenerator, Sequence
 from struct import pack
@@ -46,10 +50,36 @@ def expected_completion(prompt: Sequence[int], sampling: SamplingSpec) -> tuple[
     return ids, "".join(token_text(t) for t in ids)
 
 
+class StepClock:
+    """The engine's steps: every waiting request is woken by the same tick, on a fixed grid of ``interval``."""
+
+    def __init__(self, interval: float) -> None:
+        self._interval = interval
+        self._tick: asyncio.Future[None] | None = None
+        self._last = -math.inf
+
+    async def next(self) -> None:
+        if self._tick is None or self._tick.done():
+            loop = asyncio.get_running_loop()
+            at = (math.floor(loop.time() / self._interval) + 1) * self._interval
+            # A timer may fire a hair early: never schedule the tick that just fired again.
+            at = max(at, self._last + self._interval)
+            self._last = at
+            self._tick = loop.create_future()
+            loop.call_at(at, _resolve, self._tick)
+        await asyncio.shield(self._tick)  # a request cancelled mid-wait must not cancel the step for the others
+
+
+def _resolve(tick: asyncio.Future[None]) -> None:
+    if not tick.done():
+        tick.set_result(None)
+
+
 class SyntheticEngine:
     def __init__(self, settings: EngineSettings) -> None:
         self._interval = 1.0 / settings.synthetic_tokens_per_s
         self._max_num_seqs = settings.synthetic_max_seqs
+        self._steps = StepClock(self._interval)
 
     @property
     def max_num_seqs(self) -> int:
@@ -68,7 +98,7 @@ class SyntheticEngine:
         prompt = len(prompt_token_ids)
         context = list(prompt_token_ids)
         for step in range(sampling.max_tokens):
-            await asyncio.sleep(self._interval)
+            await self._steps.next()
             token = next_token(context, sampling, step)
             context.append(token)
             last = step == sampling.max_tokens - 1

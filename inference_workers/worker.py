@@ -20,7 +20,7 @@ from inference_workers.admin import admin_server, create_admin_app
 from inference_workers.assignor import StickyLoadAssignor
 from inference_workers.claims import RequestClaims
 from inference_workers.control import ControlListener
-from inference_workers.emitter import Finalizer, TokenSink
+from inference_workers.emitter import Finalizer
 from inference_workers.intake import Intake
 from inference_workers.liveness import WorkerLiveness
 from inference_workers.offsets import CommittedState, OffsetTracker, decode_state
@@ -29,6 +29,7 @@ from inference_workers.presence import GatewayPresence
 from inference_workers.priority import PriorityGate
 from inference_workers.protocol import EngineClient
 from inference_workers.rebalance import RequestRebalanceListener
+from inference_workers.token_sink import TokenSink
 from inference_workers.transactions import PartitionTransactions
 from runtime.dead_letters import DeadLetters
 from runtime.faults import Faults
@@ -130,8 +131,11 @@ class Worker:
             commit_loop = asyncio.create_task(finalizer.run(), name="finalizer")
             queues = {kafka.topic(TOPICS.admitted(p).name): p for p in PRIORITIES}
             ranks = {p: rank for rank, p in enumerate(PRIORITIES)}
+            sink = TokenSink(delta_producer, token_topic, version=worker.token_record_version,
+                             max_events=worker.token_record_max_events)
+            stack.push_async_callback(sink.close)
             intake = Intake(engine=self.engine, worker_id=worker.instance_id, claims=claims,
-                            sink=TokenSink(delta_producer, token_topic), finalizer=finalizer, offsets=offsets,
+                            sink=sink, finalizer=finalizer, offsets=offsets,
                             prefix=prefix, max_in_flight=self.engine.max_num_seqs, dead_letters=dead_letters,
                             retry_delay_s=worker.admission_retry_s, give_up_s=worker.finalize_give_up_s,
                             priority_of=lambda tp: ranks.get(queues.get(tp.topic, ""), 0))

@@ -72,19 +72,20 @@ async def _read_tokens(kafka: KafkaSettings, request_id: str | None, since_s: fl
         ends = await consumer.end_offsets(partitions)
         stop = asyncio.Event()
 
-        async def show(event: TokenEvent, record: ConsumerRecord[bytes, bytes]) -> None:
+        async def show(packed: TokenEvent, record: ConsumerRecord[bytes, bytes]) -> None:
             nonlocal shown
-            if request_id and event.request_id != request_id:
-                return
-            shown += 1
-            row = (str(record.partition), str(record.offset),
-                   datetime.fromtimestamp(record.timestamp / 1000, UTC).strftime("%H:%M:%S.%f")[:-3],
-                   event.request_id, str(event.attempt), str(event.seq), str(event.token_ids), repr(event.text),
-                   event.finish_reason or "")
-            if table is not None:
-                table.add_row(*row)
-            else:
-                console.print("  ".join(row))
+            for event in packed.split():  # one record per engine step: several requests' deltas
+                if request_id and event.request_id != request_id:
+                    continue
+                shown += 1
+                row = (str(record.partition), str(record.offset),
+                       datetime.fromtimestamp(record.timestamp / 1000, UTC).strftime("%H:%M:%S.%f")[:-3],
+                       event.request_id, str(event.attempt), str(event.seq), str(event.token_ids), repr(event.text),
+                       event.finish_reason or "")
+                if table is not None:
+                    table.add_row(*row)
+                else:
+                    console.print("  ".join(row))
 
         async def caught_up() -> None:
             if follow:

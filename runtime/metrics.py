@@ -95,6 +95,10 @@ WORKER_TXN = Histogram(
 WORKER_TXN_BATCH = Histogram(
     "kns_worker_finalize_batch_size", "Requests finalized per transaction", buckets=(1, 2, 4, 8, 16, 32, 64)
 )
+WORKER_TOKEN_RECORDS = Histogram(
+    "kns_worker_token_record_events", "Token deltas per produced token record (one record per engine step per "
+    "reply partition)", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256)
+)
 WORKER_FINALIZE_FAILURES = Counter(
     "kns_worker_finalize_failures_total", "Finalizing transactions that failed, by kind", ["kind"]
 )

@@ -206,6 +206,11 @@ class WorkerSettings(BaseModel):
     priority_min_share: float = Field(default=0.1, ge=0, le=0.5)
     # How often the waiting requests per class are looked up (end offsets) while partitions are paused.
     priority_refresh_s: float = Field(default=0.02, gt=0)
+    # Token records (inference_workers/token_sink.py): version 3 carries one engine step's deltas to a reply
+    # partition in one record, at most token_record_max_events of them; 2 writes one per request, for readers not
+    # upgraded yet (schemas/token_batch.py: readers first, then writers).
+    token_record_version: int = Field(default=3, ge=2, le=3)
+    token_record_max_events: int = Field(default=256, ge=1)
 
     @model_validator(mode="after")
     def _default_instance(self) -> WorkerSettings:

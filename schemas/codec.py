@@ -97,16 +97,24 @@ class EventCodec(Generic[E]):
         versions = schema_versions(SCHEMA_DIRS[model])
         self.latest = versions[-1]
         self._by_fingerprint: Mapping[bytes, SchemaVersion] = {v.fingerprint: v for v in versions}
-        self._header = MAGIC + self.latest.fingerprint
 
     def encode(self, event: E) -> bytes:
         return self.encode_dict(event.model_dump())
 
-    def encode_dict(self, record: Mapping[str, Any]) -> bytes:
+    def encode_dict(self, record: Mapping[str, Any], *, version: int | None = None) -> bytes:
+        """``version``: write with that released schema instead of the newest (fields it lacks are left out), for
+        readers not upgraded yet."""
+        writer = self.latest if version is None else self._version(version)
         buf = io.BytesIO()
-        buf.write(self._header)
-        schemaless_writer(buf, self.latest.parsed, record)
+        buf.write(MAGIC + writer.fingerprint)
+        schemaless_writer(buf, writer.parsed, record)
         return buf.getvalue()
+
+    def _version(self, version: int) -> SchemaVersion:
+        for candidate in self._by_fingerprint.values():
+            if candidate.version == version:
+                return candidate
+        raise ValueError(f"{self.model.__name__} has no schema version {version}")
 
     def decode_dict(self, data: bytes) -> dict[str, Any]:
         if len(data) < HEADER_LEN or data[:2] != MAGIC:

@@ -81,7 +81,20 @@ class TokenUsage(Event):
         return self.prompt_tokens + self.completion_tokens
 
 
+class TokenDelta(Event):
+    """v3: another request's non-final delta riding in a token record (``TokenEvent.more``)."""
+
+    request_id: str
+    attempt: int
+    seq: int
+    token_offset: int
+    token_ids: list[int]
+    text: str
+
+
 class TokenEvent(Event):
+    """One record of the token topic. Readers take its per-request events with :meth:`split`."""
+
     request_id: str
     attempt: int
     seq: int
@@ -95,10 +108,20 @@ class TokenEvent(Event):
     emitted_at_us: int
     #: v2: why a stream ended in error, for the gateway's status and OpenAI error code (see ``ErrorCode``)
     error_code: str | None = None
+    #: v3: the deltas of other requests of the same engine step to the same reply partition (``token_batch.py``)
+    more: list[TokenDelta] = Field(default_factory=list)
 
     @property
     def is_final(self) -> bool:
         return self.finish_reason is not None
+
+    def split(self) -> list[TokenEvent]:
+        """The per-request events this record carries, in the order they were emitted."""
+        if not self.more:
+            return [self]
+        shared = {"worker_id": self.worker_id, "emitted_at_us": self.emitted_at_us}
+        return [self.model_copy(update={"more": []}),
+                *(TokenEvent(**delta.model_dump(), **shared) for delta in self.more)]
 
 
 class StoredCompletion(Event):

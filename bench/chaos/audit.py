@@ -125,7 +125,8 @@ async def audit(scenario: str, settings: Settings, kafka: KafkaSettings, org_id:
     by_request: dict[str, list[TokenEvent]] = {}
     for *_, event, _ in await read_to_end(kafka, kafka.topic(TOPICS.tokens.name), codec_for(TokenEvent),
                                           isolation="read_uncommitted"):
-        by_request.setdefault(event.request_id, []).append(event)
+        for delta in event.split():
+            by_request.setdefault(delta.request_id, []).append(delta)
     delivered: dict[str, tuple[int, Stream]] = {}
     for stream in streams:
         ids = [int(t) for t in TOKEN.findall(stream.text)] if synthetic else []

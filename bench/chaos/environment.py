@@ -66,6 +66,8 @@ class Knobs:
     session_timeout_ms: int = 6000
     #: the workers' Redis lease (``inference_workers/liveness.py``); 0: the session timeout alone finds a dead one
     liveness_ttl_s: float = 1.0
+    #: any other settings of the run's services (``KNS_...`` variables)
+    extra: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -125,7 +127,7 @@ class ChaosEnv:
                "KNS_PROCESSORS__BILLING_PORT": str(self.ports.billing)}
         if k.engine == "vllm":
             env["KNS_ENGINE__MAX_NUM_SEQS"] = str(k.max_seqs)
-        return env
+        return {**env, **k.extra}
 
     # --- lifecycle ------------------------------------------------------------------------------------
 

@@ -2,8 +2,10 @@
 
 The gateway claims a reply partition, the relay tails it from its end (records before the gateway started
 belong to requests whose clients are gone) and routes each token event to its request's collector.
-Register a request *before* producing it and unregister in ``finally``; events for unknown ids (a request
-whose client already left) are counted and dropped without being decoded.
+Register a request *before* producing it and unregister in ``finally``. A worker writes one record per engine
+step per reply partition, carrying the deltas of every request of that step (``schemas/token_batch.py``): the
+feed decodes it once and hands each delta to its stream; deltas of unknown ids (a request whose client already
+left) are counted and dropped, and a record of a single such request (keyed by its id) is not even decoded.
 
 Resuming a stream (``runtime/streams.py``) registers it on the partition its tokens live on, from an offset at
 or before its first event, on a feed of resumed streams of that partition (a second consumer, even for this
@@ -39,6 +41,7 @@ from runtime.settings import KafkaSettings
 from schemas.codec import codec_for
 from schemas.errors import DecodeError
 from schemas.events import ErrorCode, TokenEvent
+from schemas.token_batch import unpack
 
 log = logging.getLogger(__name__)
 
@@ -129,34 +132,40 @@ class _Feed:
         self.position = max(self.position, record.offset + 1)
         if record.value is None:
             return
-        event: TokenEvent | None = None
-        if record.key is not None:
-            request_id = record.key.decode(errors="replace")
-        else:  # every producer keys its token events by request id; an unkeyed one is read to find its request
-            try:
-                event = self._codec.decode(record.value)
-            except DecodeError:
-                return
-            request_id = event.request_id
-        sink = self.sinks.get(request_id)
-        if sink is None or record.offset < sink.next_offset:
-            self._relay.unknown.inc()
+        keyed = self.sinks.get(record.key.decode(errors="replace")) if record.key is not None else None
+        if record.key is not None and (keyed is None or record.offset < keyed.next_offset):
+            self._relay.unknown.inc()  # one request's record, and nobody here streams it: not even decoded
             return
-        sink.next_offset = record.offset + 1
-        if event is None:
-            try:
-                event = self._codec.decode(record.value)
-            except DecodeError as exc:
-                sink.collector.fail(f"this gateway cannot read a token event of the request ({exc})",
-                                    ErrorCode.UNDECODABLE_EVENT)
-                await self._relay.dead_letter(record, str(exc))
-                return
-        if event.emitted_at_us:
-            self._relay.hop.observe(max(0.0, time.time() - event.emitted_at_us / 1e6))
-        if sink.collector.put(event):
-            self._relay.routed.inc()
-        else:
-            self._relay.duplicate.inc()
+        try:
+            fields = self._codec.decode_dict(record.value)
+        except DecodeError as exc:
+            await self._undecodable(record, keyed, exc)
+            return
+        if fields["emitted_at_us"]:
+            self._relay.hop.observe(max(0.0, time.time() - fields["emitted_at_us"] / 1e6))
+        taken: list[_Sink] = []
+        for delta in unpack(fields):  # one record per engine step: the deltas of every request on this partition
+            sink = self.sinks.get(delta["request_id"])
+            if sink is None or record.offset < sink.next_offset:
+                self._relay.unknown.inc()
+                continue
+            taken.append(sink)
+            if sink.collector.put(TokenEvent.model_validate(delta)):
+                self._relay.routed.inc()
+            else:
+                self._relay.duplicate.inc()
+        for sink in taken:  # after the whole record: it may carry several deltas of one request
+            sink.next_offset = record.offset + 1
+
+    async def _undecodable(self, record: ConsumerRecord[bytes, bytes], sink: _Sink | None, exc: DecodeError) -> None:
+        """A record this gateway cannot read: its request's stream ends now. An unkeyed one may carry several
+        requests: which, is unknown; each of them ends at its next delta, whose ``seq`` shows the gap."""
+        if sink is not None:
+            sink.next_offset = record.offset + 1
+            sink.collector.fail(f"this gateway cannot read a token event of the request ({exc})",
+                                ErrorCode.UNDECODABLE_EVENT)
+        if sink is not None or self.sinks:
+            await self._relay.dead_letter(record, str(exc))
 
     def fail_all(self, reason: str, code: str) -> None:
         for sink in self.sinks.values():

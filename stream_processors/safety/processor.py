@@ -163,32 +163,36 @@ def build(settings: Settings) -> faust.App:
     @app.agent(raw_topic(app, settings, TOPICS.tokens))
     async def postfilter(stream: Any) -> None:
         async for event in stream.events():
-            token = await dead.decode(token_codec, event)
-            if token is None or token.worker_id == PREFILTER:
+            record = await dead.decode(token_codec, event)
+            if record is None or record.worker_id == PREFILTER:
                 continue
-            if time.time() - token.emitted_at_us / 1e6 > settings.safety.post_max_age_s:
-                SAFETY_STALE.labels(stage="post").inc()
-                continue
-            window = outputs.get(token.request_id)
-            due = not window.halted and window.add(token)
-            if token.is_final:
-                outputs.close(token.request_id)
-            if not due:
-                continue
-            verdict = await classify(classifier, window.text, "post")
-            if not verdict.blocked:
-                continue
-            window.halted = True
-            if not token.is_final:  # a harmful last window is only recorded: nothing is left to stop
-                halt_event = halt(token.request_id, verdict)
-                await control.send(key=token.request_id.encode(), value=control_codec.encode(halt_event))
-            owner: list[str | None] = [None, None]
-            with contextlib.suppress(RedisError, OSError, TimeoutError):  # attribution only: never stop for it
-                owner = await redis.hmget(  # type: ignore[assignment]
-                    redis_key(settings.redis, "request", token.request_id), ["org", "key"])
-            await send_verdict(verdict_event(token.request_id, SafetyStage.POST, verdict, classifier.name,
-                                             org_id=owner[0], key_id=owner[1], at_token=window.tokens))
-            log.info("stream halted", extra={"request_id": token.request_id, "category": verdict.category,
-                                             "at_token": window.tokens})
+            for token in record.split():  # one record per engine step: several requests' deltas
+                await screen_output(token)
+
+    async def screen_output(token: TokenEvent) -> None:
+        if time.time() - token.emitted_at_us / 1e6 > settings.safety.post_max_age_s:
+            SAFETY_STALE.labels(stage="post").inc()
+            return
+        window = outputs.get(token.request_id)
+        due = not window.halted and window.add(token)
+        if token.is_final:
+            outputs.close(token.request_id)
+        if not due:
+            return
+        verdict = await classify(classifier, window.text, "post")
+        if not verdict.blocked:
+            return
+        window.halted = True
+        if not token.is_final:  # a harmful last window is only recorded: nothing is left to stop
+            halt_event = halt(token.request_id, verdict)
+            await control.send(key=token.request_id.encode(), value=control_codec.encode(halt_event))
+        owner: list[str | None] = [None, None]
+        with contextlib.suppress(RedisError, OSError, TimeoutError):  # attribution only: never stop for it
+            owner = await redis.hmget(  # type: ignore[assignment]
+                redis_key(settings.redis, "request", token.request_id), ["org", "key"])
+        await send_verdict(verdict_event(token.request_id, SafetyStage.POST, verdict, classifier.name,
+                                         org_id=owner[0], key_id=owner[1], at_token=window.tokens))
+        log.info("stream halted", extra={"request_id": token.request_id, "category": verdict.category,
+                                         "at_token": window.tokens})
 
     return app

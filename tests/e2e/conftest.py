@@ -47,10 +47,13 @@ def three_gateways(gateway: ServiceProcess, service_env: dict[str, str]) -> Iter
 
 
 async def token_records(settings: Settings, request_id: str) -> list[tuple[int, TokenEvent]]:
-    """(offset, event) of the request's token events as its reply partition holds them, in log order."""
+    """(offset, event) of the request's token events as its reply partition holds them, in log order (a record
+    carries the deltas of every request of one engine step: ``schemas/token_batch.py``)."""
     rows = await read_topic(settings.kafka, settings.kafka.topic(TOPICS.tokens.name), codec_for(TokenEvent),
                             isolation="read_uncommitted")
-    return sorted((off, e) for _, off, e, _ in rows if e.request_id == request_id)  # type: ignore[attr-defined, misc]
+    ours = [(off, e) for _, off, record, _ in rows for e in record.split()  # type: ignore[attr-defined]
+            if e.request_id == request_id]
+    return sorted(ours, key=lambda pair: pair[0])  # stable: a record's own deltas stay in their order
 
 
 async def token_events(settings: Settings, request_id: str) -> list[TokenEvent]:

@@ -43,8 +43,11 @@ async def test_eight_streams_each_get_their_own_tokens_in_order(aclient: openai.
     assert generating.is_set(), f"the longest stream ended without a token: {first.result()}"
     results = [*await asyncio.gather(*(one(n) for n in LENGTHS if n != longest)), await first]
     final_offset, first_offset = {}, {}
+    requests_by_record: dict[int, set[str]] = {}
     for n, request_id, text, completion_tokens in results:
         records = await token_records(stack, request_id)
+        for offset, _ in records:
+            requests_by_record.setdefault(offset, set()).add(request_id)
         events = [e for _, e in records]
         # Each client got exactly its own events, in the order they were produced.
         assert [e.seq for e in events] == list(range(len(events))), "token events out of order"
@@ -55,6 +58,8 @@ async def test_eight_streams_each_get_their_own_tokens_in_order(aclient: openai.
     # shortest, started after it, finished before it.
     assert all(first_offset[n] < final_offset[longest] for n in LENGTHS), (first_offset, final_offset)
     assert final_offset[shortest] < final_offset[longest], (first_offset, final_offset)
+    # One record per engine step for the gateway's reply partition: the streams generated together share records.
+    assert max(len(rids) for rids in requests_by_record.values()) >= 2, "every record carries a single request"
     # The reply partition records when the platform finished each request: one engine step per token, so of two
     # requests the shorter, if it started no later, finished first. (Which of the seven the gateway submitted first
     # is up to a busy machine: only the order the log shows counts.)

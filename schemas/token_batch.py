@@ -1,0 +1,57 @@
+"""One token record for many requests: how a worker packs the deltas of one engine step (``TokenEvent`` v3).
+
+A worker's engine step yields a delta for every running request; one record per reply partition carries all of
+them (the first at the record's top level, the others in ``more``), instead of one record per request. Each delta
+keeps its own request id, attempt, ``seq`` and ``token_offset``, so what the readers' merge counts
+(``token_stream.py``: order, duplicates, failover, resume positions) is exactly what it was with one record each.
+Finals are never packed: each rides alone in its request's commit transaction (``emitter.py``).
+
+Readers take a record apart with :func:`unpack` (decoded fields, no models: the relay's hot path builds a model
+only for the deltas of streams it serves) or ``TokenEvent.split()``. A single-request record is keyed by its
+request id, so a reader looking for one request skips the others without decoding; a record of several is not
+keyed, and :func:`may_carry` tells from its bytes whether a request can be in it (Avro writes a string's UTF-8
+bytes as they are).
+
+Upgrade path: v3 readers read v1/v2 records (schema resolution: ``more`` defaults to empty). A v2 reader does not
+know v3's fingerprint, so readers (gateways, processors, workers' prefix readers) are upgraded first, with
+workers writing v2 (``KNS_WORKER__TOKEN_RECORD_VERSION=2``: one request per record, as before); then the setting
+goes back to 3.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from schemas.events import TokenEvent
+
+#: fields a packed delta takes from its record
+SHARED = ("worker_id", "emitted_at_us")
+DELTA_FIELDS = ("request_id", "attempt", "seq", "token_offset", "token_ids", "text")
+_NOT_FINAL: dict[str, Any] = {"finish_reason": None, "usage": None, "error": None, "error_code": None, "more": []}
+
+
+def pack(events: Sequence[TokenEvent]) -> dict[str, Any]:
+    """The fields of one record carrying these non-final events, in order (for ``EventCodec.encode_dict``)."""
+    if not events:
+        raise ValueError("a token record carries at least one event")
+    first, rest = events[0], events[1:]
+    if any(e.is_final for e in rest):
+        raise ValueError("a final token event is never packed with others")
+    record = first.model_dump()
+    record["more"] = [{name: getattr(e, name) for name in DELTA_FIELDS} for e in rest]
+    return record
+
+
+def unpack(record: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
+    """The per-request events' fields of one decoded record, in the order they were emitted."""
+    more = record.get("more") or ()
+    yield {**record, "more": []} if more else dict(record)
+    shared = {name: record[name] for name in SHARED}
+    for delta in more:
+        yield {**delta, **shared, **_NOT_FINAL}
+
+
+def may_carry(value: bytes, request_id: bytes) -> bool:
+    """False only when the record cannot hold an event of this request (its id is not among its bytes)."""
+    return request_id in value
