@@ -233,33 +233,43 @@ def relay(
     rate: float = typer.Option(20.0, help="B: tokens per second per stream (synthetic engine)."),
     ttft_limit_ms: float = typer.Option(1000.0), itl_limit_ms: float = typer.Option(250.0),
     skip_streams: bool = typer.Option(False, help="Only part A."),
+    record_versions: str = typer.Option("3", help="B: the worker's token record versions to run, one after the "
+                                        "other (2: one record per request per step, 3: one per step)."),
 ) -> None:
     """Relay capacity: A. demultiplexer events/s; B. concurrent SSE streams before TTFT/ITL p99 degrade."""
     from bench.relay import demux_capacity, stream_capacity
 
     settings = load_settings()
-    result: dict[str, Any] = {"demux": asyncio.run(demux_capacity(settings, events, requests))}
-    d = result["demux"]
-    console.print(f"A. one relay demultiplexes {d['events_per_s']:,} token events/s "
-                  f"({d['events']:,} events, {d['requests']} requests, {d['seconds']:.2f} s)")
+    packed = asyncio.run(demux_capacity(settings, events, requests, per_record=256))
+    single = asyncio.run(demux_capacity(settings, events, requests, per_record=1))
+    result: dict[str, Any] = {"demux": packed, "demux_one_per_record": single}
+    for d in (single, packed):
+        console.print(f"A. one relay demultiplexes {d['events_per_s']:,} token events/s "
+                      f"({d['events']:,} events of {d['requests']} requests, {d['deltas_per_record']} per record, "
+                      f"{d['seconds']:.2f} s)")
     if not skip_streams:
         import uvloop  # the clients' event loop is part of what is measured: the fast one
 
-        result["streams"] = uvloop.run(stream_capacity(
-            settings, level, tokens, rate, ttft_limit_ms / 1000, itl_limit_ms / 1000,
-            lambda m: console.print(f"[dim]•[/dim] {m}")))
+        runs = [uvloop.run(stream_capacity(settings, level, tokens, rate, ttft_limit_ms / 1000, itl_limit_ms / 1000,
+                                           lambda m: console.print(f"[dim]•[/dim] {m}"), record_version=int(v)))
+                for v in record_versions.split(",")]
+        result["streams"], result["stream_runs"] = runs[-1], runs
         table = Table(title=f"B. SSE streams through one gateway ({tokens} tokens at {rate:g}/s each)")
-        for column in ("streams", "done", "relayed events/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "ok"):
+        for column in ("records", "streams", "done", "relayed events/s", "gateway µs/event", "TTFT p50", "TTFT p99",
+                       "ITL p50", "ITL p99", "ok"):
             table.add_column(column, justify="right")
-        for lv in result["streams"]["levels"]:
-            table.add_row(str(lv["streams"]), str(lv["completed"]), str(lv["relayed_events_per_s"]),
-                          *(f"{lv[m][q] * 1000:.0f}" if lv[m][q] is not None else "-"
-                            for m in ("ttft_s", "itl_s") for q in ("p50", "p99")),
-                          "yes" if lv["ok"] else "[red]no[/red]")
+        for run_ in runs:
+            for lv in run_["levels"]:
+                table.add_row(f"v{run_['record_version']}", str(lv["streams"]), str(lv["completed"]),
+                              str(lv["relayed_events_per_s"]), str(lv["gateway_us_per_event"]),
+                              *(f"{lv[m][q] * 1000:.0f}" if lv[m][q] is not None else "-"
+                                for m in ("ttft_s", "itl_s") for q in ("p50", "p99")),
+                              "yes" if lv["ok"] else "[red]no[/red]")
         console.print(table)
-        for lv in result["streams"]["levels"]:
-            busy = ", ".join(f"{k} {v:.2f}" for k, v in sorted(lv["cpu_cores"].items(), key=lambda kv: -kv[1]))
-            console.print(f"  {lv['streams']} streams, CPU cores busy: {busy}")
+        for run_ in runs:
+            for lv in run_["levels"]:
+                busy = ", ".join(f"{k} {v:.2f}" for k, v in sorted(lv["cpu_cores"].items(), key=lambda kv: -kv[1]))
+                console.print(f"  v{run_['record_version']} {lv['streams']} streams, CPU cores busy: {busy}")
     console.print(f"[green]saved[/green] {save('relay', result)}")
 
 

@@ -28,10 +28,13 @@ from runtime.kafka_clients import ensure_topics, make_admin, make_producer
 from runtime.settings import Settings
 from schemas.codec import codec_for
 from schemas.events import TokenEvent
+from schemas.token_batch import pack
 from schemas.topics import TOPICS
 
 
-async def demux_capacity(settings: Settings, events: int, requests: int) -> dict[str, Any]:
+async def demux_capacity(settings: Settings, events: int, requests: int, per_record: int = 1) -> dict[str, Any]:
+    """``per_record``: deltas per record (1: one record per request per step, as v2 workers wrote; more: one
+    engine step's deltas packed, as v3 workers write)."""
     kafka = settings.kafka.model_copy(update={"namespace": f"bench-demux-{uuid.uuid4().hex[:6]}",
                                               "producer_linger_ms": 20})
     await ensure_topics(kafka, [TOPICS.tokens])
@@ -42,12 +45,16 @@ async def demux_capacity(settings: Settings, events: int, requests: int) -> dict
         producer = make_producer(kafka, role="bench-demux")
         await producer.start()
         try:
+            record: list[TokenEvent] = []
             for i in range(events):
                 rid = ids[i % requests]
                 seq = i // requests
-                event = TokenEvent(request_id=rid, attempt=1, seq=seq, token_offset=seq, token_ids=[7], text=" tok",
-                                   worker_id="bench", emitted_at_us=0)
-                await producer.send(topic, codec.encode(event), key=rid.encode(), partition=0)
+                record.append(TokenEvent(request_id=rid, attempt=1, seq=seq, token_offset=seq, token_ids=[7],
+                                         text=" tok", worker_id="bench", emitted_at_us=0))
+                if len(record) == per_record or i == events - 1 or (i + 1) % requests == 0:  # a step ends
+                    key = rid.encode() if len(record) == 1 else None
+                    await producer.send(topic, codec.encode_dict(pack(record)), key=key, partition=0)
+                    record = []
             await producer.flush()
         finally:
             await producer.stop()
@@ -60,7 +67,7 @@ async def demux_capacity(settings: Settings, events: int, requests: int) -> dict
             await asyncio.sleep(0.01)
         elapsed = time.perf_counter() - started
         await relay.stop()
-        return {"events": events, "requests": requests, "seconds": round(elapsed, 3),
+        return {"events": events, "requests": requests, "deltas_per_record": per_record, "seconds": round(elapsed, 3),
                 "events_per_s": round(events / elapsed)}
     finally:
         admin = make_admin(kafka)
@@ -72,14 +79,18 @@ async def demux_capacity(settings: Settings, events: int, requests: int) -> dict
 
 
 async def stream_capacity(settings: Settings, levels: list[int], tokens: int, rate: float, ttft_limit_s: float,
-                          itl_limit_s: float, report: Any) -> dict[str, Any]:
+                          itl_limit_s: float, report: Any, record_version: int = 3) -> dict[str, Any]:
+    """``record_version``: the worker's token records (2: one per request per step, 3: one per step)."""
     namespace = f"bench-relay-{uuid.uuid4().hex[:6]}"
     secret, procs = await pipeline(settings, namespace=namespace, gateway_port=8020, worker_port=8120, prefix="relay",
                                    extra_env={"KNS_ENGINE__KIND": "synthetic",
                                               "KNS_ENGINE__SYNTHETIC_TOKENS_PER_S": str(rate),
+                                              "KNS_ENGINE__SYNTHETIC_MAX_SEQS": str(max(levels)),
+                                              "KNS_WORKER__TOKEN_RECORD_VERSION": str(record_version),
                                               "KNS_OBSERVABILITY__LOG_LEVEL": "WARNING"})
     infra = infra_pids(settings)
     out: dict[str, Any] = {"tokens_per_stream": tokens, "tokens_per_s_per_stream": rate,
+                           "record_version": record_version,
                            "limits": {"ttft_p99_s": ttft_limit_s, "itl_p99_s": itl_limit_s}, "levels": []}
     try:
         for proc in procs:
@@ -100,6 +111,9 @@ async def stream_capacity(settings: Settings, levels: list[int], tokens: int, ra
                      "relayed_events_per_s": round((after - before) / s["wall_s"]) if s["wall_s"] else None,
                      "ttft_s": s["ttft_s"], "itl_s": s["itl_s"],
                      "cpu_cores": {k: round(v / s["wall_s"], 2) for k, v in cpu.items() if v / s["wall_s"] >= 0.01}}
+            relayed = after - before
+            gateway_cpu = sum(v for k, v in cpu.items() if k.startswith("relay-gateway"))  # its supervisor's too
+            level["gateway_us_per_event"] = round(gateway_cpu / relayed * 1e6, 1) if gateway_cpu and relayed else None
             level["ok"] = (s["completed"] == n and (s["ttft_s"]["p99"] or 1e9) <= ttft_limit_s
                            and (s["itl_s"]["p99"] or 1e9) <= itl_limit_s)
             out["levels"].append(level)

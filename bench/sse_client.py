@@ -60,6 +60,8 @@ async def stream(base_url: str, api_key: str, body: dict[str, object], index: in
             pending += data
             *events, pending = pending.split(b"\n\n")
             for event in events:
+                if event.startswith(b"id: "):  # every event but [DONE] carries its resume id first
+                    event = event.partition(b"\n")[2]
                 if not event.startswith(b"data: "):
                     continue
                 if event == b"data: [DONE]":

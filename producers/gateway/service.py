@@ -305,7 +305,7 @@ class ChatService:
     async def _next(self, accepted: Accepted) -> Delta:
         patience = self._patience(accepted)
         try:
-            delta = await asyncio.wait_for(accepted.collector.get(), max(patience, 0.0))
+            delta = await accepted.collector.get(max(patience, 0.0))
         except TimeoutError:
             # The gateway gives up on its own: accepted.finished stays false, so _close cancels the generation.
             waited = "a first token" if accepted.first_token_at is None else "the next token"

@@ -90,9 +90,11 @@ class StreamCollector:
     def has_news(self) -> bool:
         return self._ready.is_set()
 
-    async def get(self) -> Delta:
-        """Wait for news, then take all of it."""
-        await self._ready.wait()
+    async def get(self, timeout_s: float | None = None) -> Delta:
+        """Wait for news (at most ``timeout_s``: TimeoutError), then take all of it."""
+        if not self._ready.is_set():  # news already waiting costs no wait and no timer (a busy stream's usual case)
+            async with asyncio.timeout(timeout_s):
+                await self._ready.wait()
         self._ready.clear()
         delta = Delta(text="".join(self._parts), token_count=self._tokens, emitted_at_us=self._stamps,
                       position=self.accepted)

@@ -1,6 +1,7 @@
 """OpenAI chat-completion wire formats: ``chat.completion.chunk`` SSE events and the final ``chat.completion``.
 
-Chunks are built as plain dicts and serialised with orjson: this runs once per delta per stream. Every event but
+Chunks are built as plain dicts and serialised with orjson; the content chunk, which runs once per delta per
+stream, is spliced from bytes prepared once per stream around the JSON-encoded text. Every event but
 ``[DONE]`` carries an ``id:`` (``<request id>:<position>``, see ``runtime/streams.py``): a client that lost its
 connection reconnects to any gateway with it as ``Last-Event-ID`` and gets the rest of the stream.
 """
@@ -11,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from runtime.streams import event_id
+from runtime.streams import ID_SEPARATOR, event_id
 
 DONE = b"data: [DONE]\n\n"
 
@@ -23,6 +24,12 @@ class ChunkFormatter:
         self._request_id = request_id
         self._head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
         self._include_usage = include_usage
+        # What orjson writes for a content chunk, split around the text (tests/unit/test_sse.py keeps them equal).
+        marker = "\0text\0"
+        before, after = self._event({"content": marker}, None, 0).split(orjson.dumps(marker), 1)
+        self._id_prefix = f"id: {request_id}{ID_SEPARATOR}".encode()
+        self._content_head = before[before.index(b"\ndata: "):]
+        self._content_tail = after
 
     def _event(self, delta: dict[str, Any], finish_reason: str | None, position: int) -> bytes:
         chunk: dict[str, Any] = {
@@ -42,7 +49,8 @@ class ChunkFormatter:
         return self._event({"role": "assistant", "content": ""}, None, 0)
 
     def content(self, text: str, position: int) -> bytes:
-        return self._event({"content": text}, None, position)
+        return b"".join((self._id_prefix, str(position).encode(), self._content_head, orjson.dumps(text),
+                         self._content_tail))
 
     def finish(self, finish_reason: str, position: int) -> bytes:
         return self._event({}, finish_reason, position)

@@ -100,3 +100,36 @@ def test_cpu_meter_attributes_a_childs_work_to_its_tree() -> None:
             os.kill(child_pid, signal.SIGKILL)
         parent.kill()
         parent.wait()
+
+
+async def test_the_capacity_clients_sse_reader_times_content_chunks_that_carry_event_ids() -> None:
+    """bench/sse_client.py: every event but [DONE] starts with its ``id:`` line (resumable streams); a reader
+    that expected ``data:`` first saw no content at all and reported no TTFT (the relay bench did, unnoticed)."""
+    import asyncio
+
+    from bench.sse_client import stream
+
+    events = [b'id: r:0\ndata: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n',
+              b'id: r:1\ndata: {"choices":[{"delta":{"content":" a"}}]}\n\n',
+              b'id: r:2\ndata: {"choices":[{"delta":{"content":" b"}}]}\n\n',
+              b'id: r:4\ndata: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":2}}\n\n',
+              b"data: [DONE]\n\n"]
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.read(100)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for event in events:
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        result = await stream(f"http://127.0.0.1:{port}/v1", "k", {"model": "m"}, 0, 0.0)
+    finally:
+        server.close()
+    assert result.ok and result.ttft is not None and len(result.itl) == 1 and result.output_tokens == 2

@@ -37,3 +37,11 @@ def test_completion_is_a_valid_chat_completion() -> None:
     body = completion("chatcmpl-x", "m", 1700000000, "Paris.", "stop", usage_dict(37, 3, 0))
     parsed = ChatCompletion.model_validate(body)
     assert parsed.choices[0].message.content == "Paris." and parsed.usage.completion_tokens == 3
+
+
+def test_a_content_chunk_is_exactly_what_the_dict_would_encode_to() -> None:
+    """The content chunk is spliced from prepared bytes: it must stay byte-identical to the plain encoding."""
+    for include_usage in (True, False):
+        fmt = ChunkFormatter("chatcmpl-q\"uote", 'm "x"', 1700000000, include_usage=include_usage)
+        for text, position in ((" Paris", 1), ('"\\\n\t', 22), ("é✓😀 \u2028", 333), ("", 4)):
+            assert fmt.content(text, position) == fmt._event({"content": text}, None, position)
