@@ -107,7 +107,7 @@ class Finalizer:
                  stored_topic: str | None = None,
                  offsets: OffsetTracker, claims: ClaimsT, batch_max: int, give_up_s: float,
                  on_partition_lost: PartitionLostCallback | None = None, faults: Faults = NO_FAULTS,
-                 settlements: SettlementsT | None = None) -> None:
+                 settlements: SettlementsT | None = None, token_version: int | None = None) -> None:
         self._transactions = transactions
         self._settlements = settlements
         #: settlements Redis did not take yet (retried with backoff by ``_settle_retry``)
@@ -125,6 +125,8 @@ class Finalizer:
         self._on_partition_lost = on_partition_lost
         self._faults = faults
         self._tokens = codec_for(TokenEvent)
+        #: the token record version of finals, as of deltas (``worker.token_record_version``: the upgrade path)
+        self._version = token_version
         self._usage = codec_for(UsageEvent)
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         #: partitions whose offsets moved without a finished request (skipped records)
@@ -276,8 +278,8 @@ class Finalizer:
             for item in items:
                 headers = to_headers(item.traceparent) if item.traceparent else None
                 key = item.final.request_id.encode()
-                await producer.send(self._token_topic, value=self._tokens.encode(item.final), key=key,
-                                    partition=item.reply_partition, headers=headers)
+                await producer.send(self._token_topic, value=self._tokens.encode(item.final, version=self._version),
+                                    key=key, partition=item.reply_partition, headers=headers)
                 if item.usage is not None:
                     await producer.send(self._usage_topic, value=self._usage.encode(item.usage), key=key,
                                         headers=headers)

@@ -535,7 +535,9 @@ class Intake:
         job.finalizing = True
         if job.in_flight:
             # Every delta acknowledged (or failed) first: what the client can have decides the final and the bill.
-            await asyncio.gather(*job.in_flight, return_exceptions=True)
+            # ``wait``, not ``gather``: a cancelled gather cancels what it waits for, and a delivery future is
+            # shared by every request whose delta its record carries (token_sink.py).
+            await asyncio.wait(set(job.in_flight))
         if job.undelivered_from is not None:
             # The client cannot have more than what reached its gateway: bill that, end the stream in error.
             outcome = Outcome("error", [], "", "a token delta could not be delivered to the client's gateway",

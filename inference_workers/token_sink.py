@@ -103,7 +103,8 @@ class TokenSink:
         except Exception as exc:  # an unencodable or unsendable record: its streams end at this delta
             log.error("token record not produced", extra={"partition": partition, "events": len(events),
                                                           "reason": repr(exc)})
-            record.delivered.set_exception(exc)
+            if not record.delivered.done():
+                record.delivered.set_exception(exc)
             return
         WORKER_TOKEN_RECORDS.observe(len(events))
         acked.add_done_callback(lambda done: _settle(record.delivered, done))

@@ -125,7 +125,7 @@ class Worker:
                 stored_topic=kafka.topic(TOPICS.stored_completions.name),
                 offsets=offsets, claims=claims, batch_max=worker.finalize_batch_max,
                 give_up_s=worker.finalize_give_up_s, faults=Faults(s.faults),
-                settlements=RateLimiter(redis, s.redis),
+                settlements=RateLimiter(redis, s.redis), token_version=worker.token_record_version,
             )
             self._finalizer = finalizer
             commit_loop = asyncio.create_task(finalizer.run(), name="finalizer")

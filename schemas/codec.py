@@ -98,8 +98,8 @@ class EventCodec(Generic[E]):
         self.latest = versions[-1]
         self._by_fingerprint: Mapping[bytes, SchemaVersion] = {v.fingerprint: v for v in versions}
 
-    def encode(self, event: E) -> bytes:
-        return self.encode_dict(event.model_dump())
+    def encode(self, event: E, *, version: int | None = None) -> bytes:
+        return self.encode_dict(event.model_dump(), version=version)
 
     def encode_dict(self, record: Mapping[str, Any], *, version: int | None = None) -> bytes:
         """``version``: write with that released schema instead of the newest (fields it lacks are left out), for

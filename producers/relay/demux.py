@@ -41,7 +41,7 @@ from runtime.settings import KafkaSettings
 from schemas.codec import codec_for
 from schemas.errors import DecodeError
 from schemas.events import ErrorCode, TokenEvent
-from schemas.token_batch import unpack
+from schemas.token_batch import may_carry, unpack
 
 log = logging.getLogger(__name__)
 
@@ -158,13 +158,19 @@ class _Feed:
             sink.next_offset = record.offset + 1
 
     async def _undecodable(self, record: ConsumerRecord[bytes, bytes], sink: _Sink | None, exc: DecodeError) -> None:
-        """A record this gateway cannot read: its request's stream ends now. An unkeyed one may carry several
-        requests: which, is unknown; each of them ends at its next delta, whose ``seq`` shows the gap."""
-        if sink is not None:
-            sink.next_offset = record.offset + 1
-            sink.collector.fail(f"this gateway cannot read a token event of the request ({exc})",
+        """A record this gateway cannot read: the streams it carries end now. An unkeyed one may carry several
+        requests: those whose id is among its bytes (``may_carry``; request ids are of one length, so one is never
+        part of another)."""
+        assert record.value is not None
+        value = record.value
+        carried = [sink] if sink is not None else [
+            s for request_id, s in self.sinks.items()
+            if record.offset >= s.next_offset and may_carry(value, request_id.encode())]
+        for each in carried:
+            each.next_offset = record.offset + 1
+            each.collector.fail(f"this gateway cannot read a token event of the request ({exc})",
                                 ErrorCode.UNDECODABLE_EVENT)
-        if sink is not None or self.sinks:
+        if carried or self.sinks:
             await self._relay.dead_letter(record, str(exc))
 
     def fail_all(self, reason: str, code: str) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import OrderedDict
@@ -97,6 +98,8 @@ def build(settings: Settings) -> faust.App:
     tiers = settings.tenancy.tiers
     verdicts, control = raw_topic(app, settings, TOPICS.verdicts), raw_topic(app, settings, TOPICS.control)
     requests_codec, token_codec = codec_for(ChatRequest), codec_for(TokenEvent)
+    # Refusals are written in the workers' token record version: gateways not upgraded yet read them too.
+    encode_token = functools.partial(token_codec.encode, version=settings.worker.token_record_version)
     verdict_codec, control_codec = codec_for(SafetyVerdict), codec_for(ControlEvent)
     outputs = OpenOutputs(settings.safety.post_stride_tokens, settings.safety.post_window_chars)
     limiter = RateLimiter(redis, settings.redis)
@@ -116,7 +119,7 @@ def build(settings: Settings) -> faust.App:
         if address is not None:
             request_id, partition = address
             await tokens.send(key=request_id.encode(), partition=partition,
-                              value=token_codec.encode(unreadable(request_id, "unknown schema")))
+                              value=encode_token(unreadable(request_id, "unknown schema")))
 
     async def screen(events: list[Any]) -> None:
         """Classify a batch of submitted requests; forward the admitted, refuse the others."""
@@ -130,7 +133,7 @@ def build(settings: Settings) -> faust.App:
             ended = expired(request, now)
             if ended is not None:  # its client is told at once; nothing is generated or billed
                 SAFETY_STALE.labels(stage="pre").inc()
-                await tokens.send(key=request.request_id.encode(), value=token_codec.encode(ended),
+                await tokens.send(key=request.request_id.encode(), value=encode_token(ended),
                                   partition=request.reply.partition)
                 await unbilled(request.request_id)
                 continue
@@ -144,7 +147,7 @@ def build(settings: Settings) -> faust.App:
         verdicts = await classify_many(classifier, [prompt_text(request) for _, request in batch], "pre")
         for (event, request), verdict in zip(batch, verdicts, strict=True):
             if verdict.blocked:
-                await tokens.send(key=request.request_id.encode(), value=token_codec.encode(refusal(request)),
+                await tokens.send(key=request.request_id.encode(), value=encode_token(refusal(request)),
                                   partition=request.reply.partition)
                 await unbilled(request.request_id)
             else:
