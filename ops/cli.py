@@ -30,11 +30,28 @@ app.command()(tokens)
 
 
 @app.command()
-def gateway() -> None:
-    """Run one gateway process (OpenAI-compatible API + SSE relay) in the foreground, restarted when it dies."""
-    from runtime.supervisor import exec_supervisor
+def gateway(
+    processes: int = typer.Option(1, min=1, help="Gateway processes on the gateway's port (one per core)."),
+    own_ports: int = typer.Option(0, help="With --processes > 1: process i also answers on this port + i (its "
+                                            "own /metrics and /health); default the gateway's port + 50."),
+) -> None:
+    """Run the gateway (OpenAI-compatible API + SSE relay) in the foreground, each process restarted when it dies."""
+    command = [sys.executable, "-m", "producers.gateway.main"]
+    if processes == 1:
+        from runtime.supervisor import exec_supervisor
 
-    exec_supervisor("gateway", [sys.executable, "-m", "producers.gateway.main"])
+        exec_supervisor("gateway", command)
+    import os
+
+    from producers.gateway.fleet import process_envs
+    from runtime.fleet import Fleet
+    from runtime.logs import configure_logging
+    from runtime.settings import load_settings
+
+    settings = load_settings()
+    configure_logging(settings.observability, service="gateway-fleet")
+    envs = process_envs(settings.gateway, processes, own_ports or settings.gateway.port + 50, os.environ)
+    raise typer.Exit(Fleet("gateway", command, envs).run())
 
 
 @app.command()

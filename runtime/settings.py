@@ -141,6 +141,11 @@ class GatewaySettings(BaseModel):
     # Identifies this gateway process across restarts: its reply-partition claim is keyed by it.
     instance_id: str = ""
     max_body_bytes: int = 1 * 1024 * 1024
+    # ``kns gateway --processes N`` (``producers/gateway/fleet.py``): N processes listen on ``port`` together
+    # (SO_REUSEPORT: the kernel spreads connections over them), each with its own reply partition, and each answers
+    # on a port of its own too (``own_port``; 0: none), for the metrics and health of that process alone.
+    reuse_port: bool = False
+    own_port: int = 0
     reply_lease_ttl_s: float = 15.0
     #: each renewal also refreshes this process's liveness key, which lives ``liveness_ttl_s``: a dead gateway's
     #: streams are cancelled (and their billing stopped) that soon after it dies

@@ -67,6 +67,15 @@ def _prctl(option: int, value: int) -> None:
         raise OSError(errno, os.strerror(errno))
 
 
+def die_with_parent(parent_pid: int, blocked: set[signal.Signals]) -> None:
+    """Runs in a child between fork and exec: it dies with its parent (SIGKILL), and gets the signals the parent
+    blocked for itself back (the mask is inherited across exec)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before the line above took effect
+        os._exit(1)
+
+
 class Supervisor:
     def __init__(self, name: str, argv: Sequence[str], policy: RestartPolicy = RestartPolicy()) -> None:
         self.name = name
@@ -76,15 +85,10 @@ class Supervisor:
         self._child: subprocess.Popen[bytes] | None = None
         self._stopping: signal.Signals | None = None
 
-    def _child_setup(self) -> None:
-        # Runs in the child between fork and exec. The mask is inherited across exec: unblock what we blocked.
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, _HANDLED)
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != self._pid:  # the supervisor died before the line above took effect
-            os._exit(1)
-
     def _start(self) -> subprocess.Popen[bytes]:
-        child = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, process_group=0, preexec_fn=self._child_setup)
+        parent = self._pid
+        child = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, process_group=0,
+                                 preexec_fn=lambda: die_with_parent(parent, _HANDLED))
         log.info("started the service", extra={"service_name": self.name, "pid": child.pid})
         return child
 

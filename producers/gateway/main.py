@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 from types import FrameType
 
 import uvicorn
@@ -42,14 +43,31 @@ class _HandoverFilter(logging.Filter):
         return True
 
 
+def bound_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket:
+    """Bound, not listening: the server listens once the app has started, so that until then the kernel sends a
+    shared port's connections to the processes that serve (and a port taken by another program fails at once)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
 def run() -> None:
     settings = load_settings()
     configure_logging(settings.observability, service="gateway")
     logging.getLogger("uvicorn.error").addFilter(_HandoverFilter())
     app = create_app(settings)
-    config = uvicorn.Config(app, host=settings.gateway.host, port=settings.gateway.port, log_config=None,
-                            access_log=False, timeout_graceful_shutdown=10)
-    GatewayServer(config, app).run()
+    own = settings.gateway
+    # uvicorn's defaults are for a handful of connections; a gateway holds thousands of idle streams.
+    config = uvicorn.Config(app, host=own.host, port=own.port, log_config=None, access_log=False,
+                            timeout_graceful_shutdown=10, backlog=4096)
+    sockets = [bound_socket(own.host, own.port, reuse_port=own.reuse_port)]
+    if own.own_port:
+        sockets.append(bound_socket(own.host, own.own_port, reuse_port=False))
+    GatewayServer(config, app).run(sockets=sockets)
 
 
 if __name__ == "__main__":  # ``kns gateway`` supervises this
