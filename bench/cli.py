@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import Any
 
 import typer
@@ -14,7 +15,8 @@ from bench.common import save
 from runtime.settings import load_settings
 
 app = typer.Typer(help="Benchmarks (JSON results in bench/results/).", no_args_is_help=True)
-console = Console()
+# Wide tables stay whole when the output goes to a file (a terminal keeps its own width).
+console = Console(width=None if sys.stdout.isatty() else 160)
 
 
 @app.command("billing")
@@ -235,11 +237,21 @@ def relay(
     skip_streams: bool = typer.Option(False, help="Only part A."),
     record_versions: str = typer.Option("3", help="B: the worker's token record versions to run, one after the "
                                         "other (2: one record per request per step, 3: one per step)."),
+    gateway_processes: int = typer.Option(1, help="B, C: the gateway's processes (kns gateway --processes)."),
+    pin: bool = typer.Option(True, help="B, C: the gateway on a core of its own, the load on the others."),
+    held: int = typer.Option(0, help="C: idle-heavy streams held open at once (0: no part C)."),
+    held_tokens: int = typer.Option(60, help="C: tokens per held stream."),
+    held_rate: float = typer.Option(1.0, help="C: tokens per second per held stream."),
+    ramp_s: float = typer.Option(60.0, help="C: the held streams start evenly over this long."),
 ) -> None:
-    """Relay capacity: A. demultiplexer events/s; B. concurrent SSE streams before TTFT/ITL p99 degrade."""
-    from bench.relay import demux_capacity, stream_capacity
+    """Relay capacity: A. demultiplexer events/s; B. concurrent SSE streams before TTFT/ITL p99 degrade;
+    C. idle-heavy streams held open at once."""
+    from bench.relay import Placement, demux_capacity, stream_capacity
 
     settings = load_settings()
+    placement = Placement.split() if pin else Placement()
+    level = [n for n in level if n > 0]  # --streams 0: no part B
+    console.print(f"[dim]placement: {placement.describe()}[/dim]")
     packed = asyncio.run(demux_capacity(settings, events, requests, per_record=256))
     single = asyncio.run(demux_capacity(settings, events, requests, per_record=1))
     result: dict[str, Any] = {"demux": packed, "demux_one_per_record": single}
@@ -251,17 +263,25 @@ def relay(
         import uvloop  # the clients' event loop is part of what is measured: the fast one
 
         runs = [uvloop.run(stream_capacity(settings, level, tokens, rate, ttft_limit_ms / 1000, itl_limit_ms / 1000,
-                                           lambda m: console.print(f"[dim]•[/dim] {m}"), record_version=int(v)))
-                for v in record_versions.split(",")]
-        result["streams"], result["stream_runs"] = runs[-1], runs
-        table = Table(title=f"B. SSE streams through one gateway ({tokens} tokens at {rate:g}/s each)")
-        for column in ("records", "streams", "done", "relayed events/s", "gateway µs/event", "TTFT p50", "TTFT p99",
-                       "ITL p50", "ITL p99", "ok"):
+                                           lambda m: console.print(f"[dim]•[/dim] {m}"), record_version=int(v),
+                                           gateway_processes=gateway_processes, placement=placement))
+                for v in record_versions.split(",")] if level else []
+        if held:
+            runs.append(uvloop.run(stream_capacity(
+                settings, [held], held_tokens, held_rate, ttft_limit_ms / 1000, 2 / held_rate,
+                lambda m: console.print(f"[dim]•[/dim] {m} (idle-heavy, started over {ramp_s:g} s)"),
+                ramp_s=ramp_s, gateway_processes=gateway_processes, placement=placement)))
+            result["held"] = runs[-1]
+        result["stream_runs"] = runs
+        table = Table(title=f"SSE streams through {gateway_processes} gateway process(es)")
+        for column in ("records", "streams", "tok/s each", "done", "relayed events/s", "gateway cores",
+                       "gateway µs/event", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "ok"):
             table.add_column(column, justify="right")
         for run_ in runs:
             for lv in run_["levels"]:
-                table.add_row(f"v{run_['record_version']}", str(lv["streams"]), str(lv["completed"]),
-                              str(lv["relayed_events_per_s"]), str(lv["gateway_us_per_event"]),
+                table.add_row(f"v{run_['record_version']}", str(lv["streams"]), f"{run_['tokens_per_s_per_stream']:g}",
+                              str(lv["completed"]), str(lv["relayed_events_per_s"]), str(lv["gateway_cores_busy"]),
+                              str(lv["gateway_us_per_event"]),
                               *(f"{lv[m][q] * 1000:.0f}" if lv[m][q] is not None else "-"
                                 for m in ("ttft_s", "itl_s") for q in ("p50", "p99")),
                               "yes" if lv["ok"] else "[red]no[/red]")
@@ -388,3 +408,35 @@ def transport(
                       f"{row['completed']}/{row['streams']}")
     console.print(table)
     console.print(f"[green]saved[/green] {save('transport', result)}")
+
+
+@app.command("capacity")
+def capacity(
+    write: str | None = typer.Option(None, help="Rewrite the measured section of this Markdown file "
+                                     "(docs/CAPACITY.md) between its capacity markers."),
+) -> None:
+    """The capacity model: fleet sizes for the seeds' peak and a 10x smaller load, from the newest relay and
+    transport results in bench/results and the assumptions in bench/capacity.py."""
+    from pathlib import Path
+
+    from bench.capacity import markdown, report, write_into
+
+    result = report()
+    m = result["measured"]
+    console.print(f"gateway: {m['gateway_s_per_request'] * 1e3:.2f} ms/request + "
+                  f"{m['gateway_s_per_event'] * 1e6:.1f} µs/event; {m['streams_per_gateway']:,} streams/process; "
+                  f"Kafka {m['records_per_token']:.3f} records and {m['bytes_per_token']:.0f} bytes per token")
+    table = Table(title="capacity plan")
+    for column in ("load", "model", "streams", "gateway procs", "brokers", "token partitions", "Cassandra",
+                   "Redis", "GPUs"):
+        table.add_column(column, justify="right")
+    for p in result["plans"]:
+        table.add_row(p["load"], f"{p['gpu']['model']} TP{p['gpu']['tp']}", f"{p['concurrent_streams']:,}",
+                      f"{p['gateway']['processes']:,} ({p['gateway']['bound_by']})", str(p["kafka"]["brokers"]),
+                      f"{p['kafka']['token_partitions']:,}", str(p["cassandra_nodes"]), str(p["redis_shards"]),
+                      f"{p['gpu']['gpus']:,}")
+    console.print(table)
+    if write:
+        write_into(Path(write), markdown(result))
+        console.print(f"[green]wrote[/green] {write}")
+    console.print(f"[green]saved[/green] {save('capacity', result)}")

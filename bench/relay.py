@@ -12,20 +12,22 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import orjson
 
 from bench.cpu import CpuMeter
-from bench.loadgen import Target, plan
-from bench.servers import infra_pids, pipeline
-from bench.sse_client import streams
+from bench.loadgen import RequestResult, Target, plan
+from bench.servers import Proc, infra_pids, pin_threads, pinned, pipeline
 from bench.workload import Shape
 from producers.relay.demux import Relay
 from runtime.kafka_clients import ensure_topics, make_admin, make_producer
-from runtime.settings import Settings
+from runtime.settings import REPO_ROOT, Settings
 from schemas.codec import codec_for
 from schemas.events import TokenEvent
 from schemas.token_batch import pack
@@ -78,44 +80,64 @@ async def demux_capacity(settings: Settings, events: int, requests: int, per_rec
             await admin.close()
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Which cores run what: the gateway gets cores of its own, the load (clients, worker, Kafka, Cassandra,
+    Redis) the others, so that the clients do not take the measured process's CPU (empty: nothing pinned)."""
+
+    gateway_cpus: str = ""
+    load_cpus: str = ""
+
+    @classmethod
+    def split(cls) -> Placement:
+        """The last core for the gateway, the others for the load (nothing pinned on a 1-core machine)."""
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) < 2:
+            return cls()
+        return cls(str(cores[-1]), ",".join(map(str, cores[:-1])))
+
+    def describe(self) -> str:
+        if not self.gateway_cpus:
+            return "nothing pinned: clients, worker, Kafka and the gateway share every core"
+        return (f"gateway pinned to CPU {self.gateway_cpus}; clients (a process of their own), worker, Kafka, "
+                f"Cassandra and Redis pinned to CPU {self.load_cpus}")
+
+
 async def stream_capacity(settings: Settings, levels: list[int], tokens: int, rate: float, ttft_limit_s: float,
-                          itl_limit_s: float, report: Any, record_version: int = 3) -> dict[str, Any]:
-    """``record_version``: the worker's token records (2: one per request per step, 3: one per step)."""
+                          itl_limit_s: float, report: Any, record_version: int = 3, ramp_s: float = 0.0,
+                          gateway_processes: int = 1, placement: Placement = Placement()) -> dict[str, Any]:
+    """``record_version``: the worker's token records (2: one per request per step, 3: one per step);
+    ``ramp_s``: each level's streams start evenly over this long (0: at once)."""
     namespace = f"bench-relay-{uuid.uuid4().hex[:6]}"
-    secret, procs = await pipeline(settings, namespace=namespace, gateway_port=8020, worker_port=8120, prefix="relay",
+    port = 8020
+    secret, procs = await pipeline(settings, namespace=namespace, gateway_port=port, worker_port=8120, prefix="relay",
+                                   gateway_processes=gateway_processes, gateway_cpus=placement.gateway_cpus,
+                                   worker_cpus=placement.load_cpus,
                                    extra_env={"KNS_ENGINE__KIND": "synthetic",
                                               "KNS_ENGINE__SYNTHETIC_TOKENS_PER_S": str(rate),
                                               "KNS_ENGINE__SYNTHETIC_MAX_SEQS": str(max(levels)),
                                               "KNS_WORKER__TOKEN_RECORD_VERSION": str(record_version),
                                               "KNS_OBSERVABILITY__LOG_LEVEL": "WARNING"})
+    metrics_ports = [port + 50 + i for i in range(gateway_processes)] if gateway_processes > 1 else [port]
     infra = infra_pids(settings)
-    out: dict[str, Any] = {"tokens_per_stream": tokens, "tokens_per_s_per_stream": rate,
-                           "record_version": record_version,
+    out: dict[str, Any] = {"tokens_per_stream": tokens, "tokens_per_s_per_stream": rate, "ramp_s": ramp_s,
+                           "record_version": record_version, "gateway_processes": gateway_processes,
+                           "placement": placement.describe(),
                            "limits": {"ttft_p99_s": ttft_limit_s, "itl_p99_s": itl_limit_s}, "levels": []}
     try:
+        if placement.load_cpus:
+            pin_threads(infra, _cpu_set(placement.load_cpus))
         for proc in procs:
             proc.start()
         await asyncio.gather(*(p.wait() for p in procs))
-        target = Target("http://127.0.0.1:8020/v1", settings.model.served_name, secret, label="synthetic")
+        for metrics_port in metrics_ports:  # every process serves (the health URL waited for the last one)
+            await _routed([metrics_port])
         for n in levels:
             report(f"{n} concurrent streams")
-            before = await _routed()
-            run = plan(target, Shape("fixed", n, 8, tokens), concurrency=n)
-            meter = CpuMeter({**{p.name: p.pid for p in procs if p.pid}, **infra, "clients": os.getpid()},
-                             alone=frozenset({"clients"}))
-            run.results, run.wall_s = await streams(target.base_url, secret, target.model, n, tokens)
-            cpu = meter.since()
-            after = await _routed()
-            s = run.summary()
-            level = {"streams": n, "completed": s["completed"], "errors": s["errors"], "wall_s": s["wall_s"],
-                     "relayed_events_per_s": round((after - before) / s["wall_s"]) if s["wall_s"] else None,
-                     "ttft_s": s["ttft_s"], "itl_s": s["itl_s"],
-                     "cpu_cores": {k: round(v / s["wall_s"], 2) for k, v in cpu.items() if v / s["wall_s"] >= 0.01}}
-            relayed = after - before
-            gateway_cpu = sum(v for k, v in cpu.items() if k.startswith("relay-gateway"))  # its supervisor's too
-            level["gateway_us_per_event"] = round(gateway_cpu / relayed * 1e6, 1) if gateway_cpu and relayed else None
-            level["ok"] = (s["completed"] == n and (s["ttft_s"]["p99"] or 1e9) <= ttft_limit_s
-                           and (s["itl_s"]["p99"] or 1e9) <= itl_limit_s)
+            level = await _level(n, tokens, rate, ramp_s, secret, settings.model.served_name, port, metrics_ports,
+                                 procs, infra, placement)
+            level["ok"] = (level["completed"] == n and (level["ttft_s"]["p99"] or 1e9) <= ttft_limit_s
+                           and (level["itl_s"]["p99"] or 1e9) <= itl_limit_s)
             out["levels"].append(level)
             if not level["ok"]:
                 break
@@ -126,12 +148,65 @@ async def stream_capacity(settings: Settings, levels: list[int], tokens: int, ra
     finally:
         for proc in procs:
             proc.stop()
+        if placement.load_cpus:
+            pin_threads(infra, os.sched_getaffinity(0))
 
 
-async def _routed() -> float:
+async def _level(n: int, tokens: int, rate: float, ramp_s: float, secret: str, model: str, port: int,
+                 metrics_ports: list[int], procs: list[Proc], infra: dict[str, int], placement: Placement
+                 ) -> dict[str, Any]:
+    """One level: ``n`` streams from a client process of their own."""
+    target = Target(f"http://127.0.0.1:{port}/v1", model, secret, label="synthetic")
+    run = plan(target, Shape("fixed", min(n, 10_000), 8, tokens), concurrency=min(n, 10_000))
+    before = await _routed(metrics_ports)
+    clients = await asyncio.create_subprocess_exec(
+        *pinned(placement.load_cpus), sys.executable, "-m", "bench.sse_client", target.base_url, secret, model,
+        str(n), str(tokens), str(ramp_s), stdout=asyncio.subprocess.PIPE, cwd=REPO_ROOT)
+    meter = CpuMeter({**{p.name: p.pid for p in procs if p.pid}, **infra})
+    stdout, _ = await clients.communicate()
+    cpu = meter.since()
+    after = await _routed(metrics_ports)
+    if clients.returncode != 0:
+        raise RuntimeError(f"the client process exited with {clients.returncode}")
+    data = orjson.loads(stdout)
+    cpu["clients"] = data["cpu_s"]  # its own count: the process is gone by now
+    run.results, run.wall_s = [RequestResult(**r) for r in data["results"]], data["wall_s"]
+    s = run.summary()
+    relayed = after - before
+    gateway_cpu = sum(v for k, v in cpu.items() if k.startswith("relay-gateway"))  # its supervisors' too
+    # Starved: a stream whose longest gap between chunks is far over its engine's (1 / rate).
+    gaps = [max(r.itl) for r in run.results if r.ok and r.itl]
+    return {"streams": n, "completed": s["completed"], "errors": s["errors"], "wall_s": s["wall_s"],
+            "relayed_events_per_s": round(relayed / s["wall_s"]) if s["wall_s"] else None,
+            "ttft_s": s["ttft_s"], "itl_s": s["itl_s"],
+            "longest_gap_s": {"p50": _quantile(gaps, 0.5), "max": round(max(gaps), 3) if gaps else None,
+                              "engine_gap_s": round(1 / rate, 3)},
+            "gateway_cores_busy": round(gateway_cpu / s["wall_s"], 2) if s["wall_s"] else None,
+            "gateway_us_per_event": round(gateway_cpu / relayed * 1e6, 1) if gateway_cpu and relayed else None,
+            "cpu_cores": {k: round(v / s["wall_s"], 2) for k, v in cpu.items() if v / s["wall_s"] >= 0.01}}
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
+
+
+def _cpu_set(cpus: str) -> set[int]:
+    out: set[int] = set()
+    for part in cpus.split(","):
+        first, _, last = part.partition("-")
+        out.update(range(int(first), int(last or first) + 1))
+    return out
+
+
+async def _routed(ports: list[int]) -> float:
+    total = 0.0
     async with httpx.AsyncClient(timeout=5) as client:
-        text = (await client.get("http://127.0.0.1:8020/metrics")).text
-    for line in text.splitlines():
-        if line.startswith('kns_relay_events_total{kind="routed"}'):
-            return float(line.split()[-1])
-    return 0.0
+        for port in ports:
+            text = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
+            for line in text.splitlines():
+                if line.startswith('kns_relay_events_total{kind="routed"}'):
+                    total += float(line.split()[-1])
+    return total

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import time
@@ -107,9 +108,12 @@ def vllm_side(settings: Settings, port: int) -> Side:
 
 
 async def pipeline(settings: Settings, *, namespace: str, gateway_port: int, worker_port: int, prefix: str,
-                   extra_env: dict[str, str] | None = None) -> tuple[str, list[Proc]]:
+                   extra_env: dict[str, str] | None = None, gateway_processes: int = 1,
+                   gateway_cpus: str = "", worker_cpus: str = "") -> tuple[str, list[Proc]]:
     """One worker and one gateway of ours in a namespace of their own (fresh topics, a new bench API key), safety
-    pre-filter off. Returns the key's secret and the two processes (not started)."""
+    pre-filter off. Returns the key's secret and the two processes (not started). ``gateway_processes``: the
+    gateway's processes (``kns gateway --processes``; process i answers on ``gateway_port + 50 + i`` alone);
+    ``*_cpus``: a ``taskset`` CPU list each is pinned to (empty: not pinned)."""
     kafka = settings.kafka.model_copy(update={"namespace": namespace})
     await ensure_topics(kafka, TOPICS.all())
     async with open_admin(settings.model_copy(update={"kafka": kafka})) as admin:
@@ -118,11 +122,27 @@ async def pipeline(settings: Settings, *, namespace: str, gateway_port: int, wor
            "KNS_SAFETY__PREFILTER": "false", "KNS_GATEWAY__PORT": str(gateway_port),
            "KNS_GATEWAY__INSTANCE_ID": f"{prefix}-gateway-{namespace}", "KNS_WORKER__ADMIN_PORT": str(worker_port),
            "KNS_WORKER__INSTANCE_ID": f"{prefix}-worker-{namespace}", **(extra_env or {})}
-    worker = Proc(f"{prefix}-worker", [sys.executable, "-m", "ops.cli", "worker"], env,
+    worker = Proc(f"{prefix}-worker", [*pinned(worker_cpus), sys.executable, "-m", "ops.cli", "worker"], env,
                   f"http://127.0.0.1:{worker_port}/health")
-    gateway = Proc(f"{prefix}-gateway", [sys.executable, "-m", "ops.cli", "gateway"], env,
-                   f"http://127.0.0.1:{gateway_port}/health")
+    gateway = Proc(f"{prefix}-gateway", [*pinned(gateway_cpus), sys.executable, "-m", "ops.cli", "gateway",
+                                         "--processes", str(gateway_processes)], env,
+                   # the last process's own port: the others started at the same moment
+                   f"http://127.0.0.1:{gateway_port + 50 + gateway_processes - 1}/health" if gateway_processes > 1
+                   else f"http://127.0.0.1:{gateway_port}/health")
     return secret, [worker, gateway]
+
+
+def pinned(cpus: str) -> list[str]:
+    """A command prefix that pins what it runs (and its children) to ``cpus`` (``taskset -c`` syntax)."""
+    return ["taskset", "-c", cpus] if cpus else []
+
+
+def pin_threads(pids: dict[str, int], cpus: set[int]) -> None:
+    """Pin every thread of running processes (the JVMs' too) to ``cpus``."""
+    for pid in pids.values():
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.sched_setaffinity(int(task.name), cpus)
 
 
 def infra_pids(settings: Settings) -> dict[str, int]:

@@ -86,10 +86,35 @@ async def stream(base_url: str, api_key: str, body: dict[str, object], index: in
     return result
 
 
-async def streams(base_url: str, api_key: str, model: str, n: int, tokens: int) -> tuple[list[RequestResult], float]:
-    """``n`` concurrent streams of ``tokens`` tokens each; (results, wall seconds)."""
+async def streams(base_url: str, api_key: str, model: str, n: int, tokens: int, ramp_s: float = 0.0
+                  ) -> tuple[list[RequestResult], float]:
+    """``n`` concurrent streams of ``tokens`` tokens each, started evenly over ``ramp_s`` (0: all at once);
+    (results, wall seconds)."""
     run_start = time.perf_counter()
     body = {"model": model, "messages": [{"role": "user", "content": "Go."}], "max_tokens": tokens,
             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
-    results = await asyncio.gather(*(stream(base_url, api_key, body, i, run_start) for i in range(n)))
+
+    async def started(i: int) -> RequestResult:
+        await asyncio.sleep(ramp_s * i / n)
+        return await stream(base_url, api_key, body, i, run_start)
+
+    results = await asyncio.gather(*(started(i) for i in range(n)))
     return list(results), time.perf_counter() - run_start
+
+
+def main() -> None:
+    """``python -m bench.sse_client URL KEY MODEL STREAMS TOKENS RAMP_S``: the clients as a process of their own
+    (pinned to other cores than the server's), results as JSON on stdout."""
+    import dataclasses
+    import sys
+
+    import uvloop
+
+    url, key, model, n, tokens, ramp = sys.argv[1:7]
+    results, wall = uvloop.run(streams(url, key, model, int(n), int(tokens), float(ramp)))
+    sys.stdout.buffer.write(orjson.dumps({"wall_s": wall, "cpu_s": time.process_time(),
+                                          "results": [dataclasses.asdict(r) for r in results]}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,7 +1,10 @@
 """A synthetic engine: tokens at a fixed rate per request, no model. Same protocol as the vLLM engine.
 
 Like a batching engine, it steps every running request at once: all of a step's tokens come out together, on a
-fixed clock (a new request's first token at the next step), which is what the worker's token records are shaped by.
+fixed clock, which is what the worker's token records are shaped by. A new request's first token comes at the next
+*prefill* step, on a clock of its own (every ``PREFILL_S`` at most): as a real engine schedules a new request's
+prefill at its next step whatever the decode rate per request, so that a slow rate (idle-heavy streams) does not
+make the time to first token a whole decode interval.
 
 For measuring everything around the engine (Kafka, the worker's emitter, the gateway's relay) at loads no real
 engine on this machine could produce, and for checking streams token by token under faults (``kns chaos``):
@@ -22,6 +25,8 @@ from inference_workers.protocol import EngineDelta
 from runtime.settings import EngineSettings
 from schemas.events import SamplingSpec
 
+#: the longest a new request waits for its prefill step (its first token)
+PREFILL_S = 0.02
 #: token ids the synthetic model draws from; the text of token t is " t<t>"
 VOCAB_BASE, VOCAB_SIZE = 1000, 4000
 CONTEXT = 8
@@ -80,6 +85,7 @@ class SyntheticEngine:
         self._interval = 1.0 / settings.synthetic_tokens_per_s
         self._max_num_seqs = settings.synthetic_max_seqs
         self._steps = StepClock(self._interval)
+        self._prefills = StepClock(min(self._interval, PREFILL_S))
 
     @property
     def max_num_seqs(self) -> int:
@@ -98,7 +104,7 @@ class SyntheticEngine:
         prompt = len(prompt_token_ids)
         context = list(prompt_token_ids)
         for step in range(sampling.max_tokens):
-            await self._steps.next()
+            await (self._steps if step else self._prefills).next()
             token = next_token(context, sampling, step)
             context.append(token)
             last = step == sampling.max_tokens - 1

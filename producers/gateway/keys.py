@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import secrets
+import time
 
 from cassandra.cluster import Session
 from redis.asyncio import Redis
@@ -31,12 +32,19 @@ def new_secret() -> str:
 
 
 class KeySuspensions:
-    """Suspended keys: Cassandra is the record, Redis the cache every gateway reads on each request."""
+    """Suspended keys: Cassandra is the record, Redis the cache every gateway reads, and each gateway remembers
+    an answer for ``remember_s``: a key's requests share one Redis read per interval (and the requests that come
+    while it is under way wait for it) instead of a read each, so a suspension takes effect on every gateway
+    within ``remember_s`` of reaching Redis."""
 
-    def __init__(self, session: Session, keyspace: str, redis: Redis, redis_settings: RedisSettings) -> None:
+    def __init__(self, session: Session, keyspace: str, redis: Redis, redis_settings: RedisSettings,
+                 remember_s: float = 0.25) -> None:
         self._session = session
         self._redis = redis
         self._redis_settings = redis_settings
+        self._remember_s = remember_s
+        self._known: dict[str, tuple[float, str | None]] = {}
+        self._reading: dict[str, asyncio.Future[str | None]] = {}
         self._insert = session.prepare(
             f"INSERT INTO {keyspace}.key_suspensions (key_id, org_id, reason, alert_id, suspended_at) "
             "VALUES (?, ?, ?, ?, ?)")
@@ -55,15 +63,43 @@ class KeySuspensions:
         """Idempotent: suspending a suspended key rewrites the same record."""
         await execute(self._session, self._insert, (key_id, org_id, reason, alert_id, utcnow()))
         await self._redis.set(self._cache_key(key_id), reason)
+        self._known[key_id] = (time.monotonic(), reason)
 
     async def lift(self, key_id: str) -> bool:
         was = await self._redis.delete(self._cache_key(key_id))
         await execute(self._session, self._delete, (key_id,))
+        self._known.pop(key_id, None)
         return bool(was)
 
     async def reason(self, key_id: str) -> str | None:
-        value = await self._redis.get(self._cache_key(key_id))
-        return None if value is None else str(value)
+        """Why the key is suspended (None: it is not). Raises what Redis raises when there is no recent answer."""
+        now = time.monotonic()
+        known = self._known.get(key_id)
+        if known is not None and now - known[0] < self._remember_s:
+            return known[1]
+        reading = self._reading.get(key_id)
+        if reading is None:
+            reading = self._reading[key_id] = asyncio.ensure_future(self._read(key_id))
+        # shielded: one caller that leaves must not cancel the read the others wait for
+        return await asyncio.shield(reading)
+
+    async def _read(self, key_id: str) -> str | None:
+        try:
+            value = await self._redis.get(self._cache_key(key_id))
+        finally:
+            del self._reading[key_id]
+        reason = None if value is None else str(value)
+        self._forget_old()
+        self._known[key_id] = (time.monotonic(), reason)
+        return reason
+
+    def _forget_old(self) -> None:
+        """Keep the memory bounded by the keys seen within the last interval."""
+        if len(self._known) < 4096:
+            return
+        cutoff = time.monotonic() - self._remember_s
+        for key_id in [k for k, (at, _) in self._known.items() if at < cutoff]:
+            del self._known[key_id]
 
     async def all(self) -> list[dict[str, object]]:
         return await execute(self._session, self._all)
