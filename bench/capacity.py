@@ -4,8 +4,8 @@ by the benchmarks (``bench/results``) and assumptions stated here, each one a na
 Measured (the newest result of each kind that has the figure):
 
 * gateway CPU per accepted request and per relayed token event: a least-squares fit of the gateway's CPU seconds
-  over every level of ``kns bench relay`` runs with v3 token records (levels differ in tokens per stream, which
-  separates the two);
+  over the levels of the newest ``kns bench relay`` result with v3 token records (its levels differ in tokens per
+  stream, which separates the two: part B's busy streams against part C's short idle ones);
 * streams one gateway process holds within TTFT p99 < 1 s (``kns bench relay --held``, else its part B);
 * Kafka records and bytes per generated token at the highest concurrency (``kns bench transport``, v3).
 
@@ -108,12 +108,12 @@ def _newest(kind: str) -> list[Path]:
 
 
 def _gateway_cpu_levels() -> tuple[list[tuple[float, float, float]], list[str]]:
-    """(requests, relayed events, gateway CPU seconds) of every v3 relay level, and the files they came from."""
-    rows, files = [], []
+    """(requests, relayed events, gateway CPU seconds) of every v3 level of the newest relay result that has at
+    least two (one run of one version of the code: older files measured other code), and that file."""
     for path in _newest("relay"):
         data = json.loads(path.read_text())
-        runs = data.get("stream_runs") or []
-        for run in runs:
+        rows = []
+        for run in data.get("stream_runs") or []:
             if run.get("record_version") != 3:
                 continue
             for level in run["levels"]:
@@ -122,9 +122,9 @@ def _gateway_cpu_levels() -> tuple[list[tuple[float, float, float]], list[str]]:
                 events = (level["relayed_events_per_s"] or 0) * wall
                 if cores and events:
                     rows.append((float(level["completed"]), events, cores * wall))
-                    if path.name not in files:
-                        files.append(path.name)
-    return rows, files
+        if len(rows) >= 2:
+            return rows, [path.name]
+    return [], []
 
 
 def measured() -> Measured:

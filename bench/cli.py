@@ -290,6 +290,9 @@ def relay(
             for lv in run_["levels"]:
                 busy = ", ".join(f"{k} {v:.2f}" for k, v in sorted(lv["cpu_cores"].items(), key=lambda kv: -kv[1]))
                 console.print(f"  v{run_['record_version']} {lv['streams']} streams, CPU cores busy: {busy}")
+                stages = "; ".join(f"{name} p50 ≤ {st['p50_le'] * 1000:g} ms, p99 ≤ {st['p99_le'] * 1000:g} ms"
+                                   for name, st in lv.get("stages", {}).items())
+                console.print(f"    [dim]{stages}[/dim]")
     console.print(f"[green]saved[/green] {save('relay', result)}")
 
 
@@ -440,3 +443,40 @@ def capacity(
         write_into(Path(write), markdown(result))
         console.print(f"[green]wrote[/green] {write}")
     console.print(f"[green]saved[/green] {save('capacity', result)}")
+
+
+@app.command("scale")
+def scale(
+    workers: str = typer.Option("1,2,4", help="Synthetic-engine workers to run, one setup after the other."),
+    gateways: str = typer.Option("1,2,4", help="Gateway processes (kns gateway --processes)."),
+    streams: int = typer.Option(256, help="Concurrent streams (a client process of their own)."),
+    tokens: int = typer.Option(100, help="Tokens per stream."),
+    rate: float = typer.Option(50.0, help="Tokens per second per sequence (synthetic engine)."),
+    max_seqs: int = typer.Option(32, help="Sequences one worker runs at once."),
+) -> None:
+    """Horizontal scaling on one box: delivered tokens/s for workers x gateway processes, and what saturates."""
+    import uvloop
+
+    from bench.scale import run
+
+    def parse(text: str) -> list[int]:
+        return [int(v) for v in text.split(",") if v.strip()]
+
+    result = uvloop.run(run(load_settings(), workers=parse(workers), gateways=parse(gateways), streams=streams,
+                            tokens=tokens, rate=rate, max_seqs=max_seqs,
+                            say=lambda m: console.print(f"[dim]•[/dim] {m}")))
+    table = Table(title=f"{streams} streams x {tokens} tokens at {rate:g}/s, {max_seqs} sequences per worker, "
+                        f"{result['cores']} cores")
+    for column in ("workers", "gateway procs", "done", "delivered tok/s", "engines' tok/s", "share",
+                   "busiest worker", "TTFT p50", "CPU busy (cores)", "saturated"):
+        table.add_column(column, justify="right")
+    for row in result["rows"]:
+        busy = ", ".join(f"{k} {v:.2f}" for k, v in sorted(row["cpu_cores"].items(), key=lambda kv: -kv[1])[:4])
+        ttft = row["ttft_s"]["p50"]
+        table.add_row(str(row["workers"]), str(row["gateway_processes"]), str(row["completed"]),
+                      f"{row['delivered_tok_s']:,}", f"{row['engines_tok_s']:,.0f}", str(row["of_engines"]),
+                      f"{row['busiest_worker_load']}x",
+                      f"{ttft * 1000:.0f}" if ttft is not None else "-", f"{row['cpu_total']} ({busy})",
+                      row["saturated"])
+    console.print(table)
+    console.print(f"[green]saved[/green] {save('scale', result)}")

@@ -11,6 +11,7 @@ B. The real path with a synthetic engine (tokens at a fixed rate per request, no
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import time
@@ -24,6 +25,7 @@ import orjson
 from bench.cpu import CpuMeter
 from bench.loadgen import RequestResult, Target, plan
 from bench.servers import Proc, infra_pids, pin_threads, pinned, pipeline
+from bench.stages import quantiles, scrape
 from bench.workload import Shape
 from producers.relay.demux import Relay
 from runtime.kafka_clients import ensure_topics, make_admin, make_producer
@@ -32,6 +34,8 @@ from schemas.codec import codec_for
 from schemas.events import TokenEvent
 from schemas.token_batch import pack
 from schemas.topics import TOPICS
+
+WORKER_PORT = 8120
 
 
 async def demux_capacity(settings: Settings, events: int, requests: int, per_record: int = 1) -> dict[str, Any]:
@@ -105,24 +109,27 @@ class Placement:
 
 async def stream_capacity(settings: Settings, levels: list[int], tokens: int, rate: float, ttft_limit_s: float,
                           itl_limit_s: float, report: Any, record_version: int = 3, ramp_s: float = 0.0,
-                          gateway_processes: int = 1, placement: Placement = Placement()) -> dict[str, Any]:
+                          gateway_processes: int = 1, placement: Placement = Placement(), workers: int = 1,
+                          max_seqs: int | None = None) -> dict[str, Any]:
     """``record_version``: the worker's token records (2: one per request per step, 3: one per step);
-    ``ramp_s``: each level's streams start evenly over this long (0: at once)."""
+    ``ramp_s``: each level's streams start evenly over this long (0: at once); ``max_seqs``: the sequences each
+    (synthetic) worker runs at once (default: the highest level, so that the worker never queues)."""
     namespace = f"bench-relay-{uuid.uuid4().hex[:6]}"
     port = 8020
-    secret, procs = await pipeline(settings, namespace=namespace, gateway_port=port, worker_port=8120, prefix="relay",
+    secret, procs = await pipeline(settings, namespace=namespace, gateway_port=port, worker_port=WORKER_PORT,
+                                   prefix="relay",
                                    gateway_processes=gateway_processes, gateway_cpus=placement.gateway_cpus,
-                                   worker_cpus=placement.load_cpus,
+                                   worker_cpus=placement.load_cpus, workers=workers,
                                    extra_env={"KNS_ENGINE__KIND": "synthetic",
                                               "KNS_ENGINE__SYNTHETIC_TOKENS_PER_S": str(rate),
-                                              "KNS_ENGINE__SYNTHETIC_MAX_SEQS": str(max(levels)),
+                                              "KNS_ENGINE__SYNTHETIC_MAX_SEQS": str(max_seqs or max(levels)),
                                               "KNS_WORKER__TOKEN_RECORD_VERSION": str(record_version),
                                               "KNS_OBSERVABILITY__LOG_LEVEL": "WARNING"})
     metrics_ports = [port + 50 + i for i in range(gateway_processes)] if gateway_processes > 1 else [port]
     infra = infra_pids(settings)
     out: dict[str, Any] = {"tokens_per_stream": tokens, "tokens_per_s_per_stream": rate, "ramp_s": ramp_s,
                            "record_version": record_version, "gateway_processes": gateway_processes,
-                           "placement": placement.describe(),
+                           "workers": workers, "placement": placement.describe(),
                            "limits": {"ttft_p99_s": ttft_limit_s, "itl_p99_s": itl_limit_s}, "levels": []}
     try:
         if placement.load_cpus:
@@ -131,11 +138,11 @@ async def stream_capacity(settings: Settings, levels: list[int], tokens: int, ra
             proc.start()
         await asyncio.gather(*(p.wait() for p in procs))
         for metrics_port in metrics_ports:  # every process serves (the health URL waited for the last one)
-            await _routed([metrics_port])
+            await _serving(metrics_port)
         for n in levels:
             report(f"{n} concurrent streams")
             level = await _level(n, tokens, rate, ramp_s, secret, settings.model.served_name, port, metrics_ports,
-                                 procs, infra, placement)
+                                 procs, infra, placement, workers)
             level["ok"] = (level["completed"] == n and (level["ttft_s"]["p99"] or 1e9) <= ttft_limit_s
                            and (level["itl_s"]["p99"] or 1e9) <= itl_limit_s)
             out["levels"].append(level)
@@ -153,19 +160,24 @@ async def stream_capacity(settings: Settings, levels: list[int], tokens: int, ra
 
 
 async def _level(n: int, tokens: int, rate: float, ramp_s: float, secret: str, model: str, port: int,
-                 metrics_ports: list[int], procs: list[Proc], infra: dict[str, int], placement: Placement
-                 ) -> dict[str, Any]:
+                 metrics_ports: list[int], procs: list[Proc], infra: dict[str, int], placement: Placement,
+                 workers: int = 1) -> dict[str, Any]:
     """One level: ``n`` streams from a client process of their own."""
     target = Target(f"http://127.0.0.1:{port}/v1", model, secret, label="synthetic")
     run = plan(target, Shape("fixed", min(n, 10_000), 8, tokens), concurrency=min(n, 10_000))
-    before = await _routed(metrics_ports)
+    stage_urls = [f"http://127.0.0.1:{p}/metrics"
+                  for p in (*metrics_ports, *(WORKER_PORT + i for i in range(workers)))]
+    worker_ports = [WORKER_PORT + i for i in range(workers)]
+    before, stages_before = await _routed(metrics_ports), await scrape(stage_urls)
+    tokens_before = await _counter(worker_ports, "kns_worker_tokens_out_total")
     clients = await asyncio.create_subprocess_exec(
         *pinned(placement.load_cpus), sys.executable, "-m", "bench.sse_client", target.base_url, secret, model,
         str(n), str(tokens), str(ramp_s), stdout=asyncio.subprocess.PIPE, cwd=REPO_ROOT)
     meter = CpuMeter({**{p.name: p.pid for p in procs if p.pid}, **infra})
     stdout, _ = await clients.communicate()
     cpu = meter.since()
-    after = await _routed(metrics_ports)
+    after, stages_after = await _routed(metrics_ports), await scrape(stage_urls)
+    tokens_after = await _counter(worker_ports, "kns_worker_tokens_out_total")
     if clients.returncode != 0:
         raise RuntimeError(f"the client process exited with {clients.returncode}")
     data = orjson.loads(stdout)
@@ -183,7 +195,10 @@ async def _level(n: int, tokens: int, rate: float, ramp_s: float, secret: str, m
                               "engine_gap_s": round(1 / rate, 3)},
             "gateway_cores_busy": round(gateway_cpu / s["wall_s"], 2) if s["wall_s"] else None,
             "gateway_us_per_event": round(gateway_cpu / relayed * 1e6, 1) if gateway_cpu and relayed else None,
-            "cpu_cores": {k: round(v / s["wall_s"], 2) for k, v in cpu.items() if v / s["wall_s"] >= 0.01}}
+            "cpu_cores": {k: round(v / s["wall_s"], 2) for k, v in cpu.items() if v / s["wall_s"] >= 0.01},
+            "stages": quantiles(stages_before, stages_after),
+            # how evenly the work queue's partitions spread the requests over the workers
+            "tokens_per_worker": [round(b - a) for a, b in zip(tokens_before, tokens_after, strict=True)]}
 
 
 def _quantile(values: list[float], q: float) -> float | None:
@@ -201,12 +216,28 @@ def _cpu_set(cpus: str) -> set[int]:
     return out
 
 
+async def _serving(port: int, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=3) as client:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if (await client.get(f"http://127.0.0.1:{port}/health")).status_code == 200:
+                    return
+            await asyncio.sleep(0.5)
+    raise RuntimeError(f"the gateway process on port {port} did not serve within {timeout_s:g} s")
+
+
 async def _routed(ports: list[int]) -> float:
-    total = 0.0
+    """Token events the gateway processes at ``ports`` routed to streams, in all."""
+    return sum(await _counter(ports, 'kns_relay_events_total{kind="routed"}'))
+
+
+async def _counter(ports: list[int], sample: str) -> list[float]:
+    """One counter's value (``sample``: its name and labels as exposed) at each of ``ports``."""
+    values = []
     async with httpx.AsyncClient(timeout=5) as client:
         for port in ports:
             text = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
-            for line in text.splitlines():
-                if line.startswith('kns_relay_events_total{kind="routed"}'):
-                    total += float(line.split()[-1])
-    return total
+            values.append(next((float(line.split()[-1]) for line in text.splitlines()
+                                if line.startswith(sample + " ")), 0.0))
+    return values

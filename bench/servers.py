@@ -108,12 +108,13 @@ def vllm_side(settings: Settings, port: int) -> Side:
 
 
 async def pipeline(settings: Settings, *, namespace: str, gateway_port: int, worker_port: int, prefix: str,
-                   extra_env: dict[str, str] | None = None, gateway_processes: int = 1,
+                   extra_env: dict[str, str] | None = None, gateway_processes: int = 1, workers: int = 1,
                    gateway_cpus: str = "", worker_cpus: str = "") -> tuple[str, list[Proc]]:
-    """One worker and one gateway of ours in a namespace of their own (fresh topics, a new bench API key), safety
-    pre-filter off. Returns the key's secret and the two processes (not started). ``gateway_processes``: the
-    gateway's processes (``kns gateway --processes``; process i answers on ``gateway_port + 50 + i`` alone);
-    ``*_cpus``: a ``taskset`` CPU list each is pinned to (empty: not pinned)."""
+    """Workers and a gateway of ours in a namespace of their own (fresh topics, a new bench API key), safety
+    pre-filter off. Returns the key's secret and the processes (not started), the gateway last.
+    ``gateway_processes``: the gateway's processes (``kns gateway --processes``; process i answers on
+    ``gateway_port + 50 + i`` alone); worker i's admin port is ``worker_port + i``; ``*_cpus``: a ``taskset`` CPU
+    list each is pinned to (empty: not pinned)."""
     kafka = settings.kafka.model_copy(update={"namespace": namespace})
     await ensure_topics(kafka, TOPICS.all())
     async with open_admin(settings.model_copy(update={"kafka": kafka})) as admin:
@@ -122,14 +123,17 @@ async def pipeline(settings: Settings, *, namespace: str, gateway_port: int, wor
            "KNS_SAFETY__PREFILTER": "false", "KNS_GATEWAY__PORT": str(gateway_port),
            "KNS_GATEWAY__INSTANCE_ID": f"{prefix}-gateway-{namespace}", "KNS_WORKER__ADMIN_PORT": str(worker_port),
            "KNS_WORKER__INSTANCE_ID": f"{prefix}-worker-{namespace}", **(extra_env or {})}
-    worker = Proc(f"{prefix}-worker", [*pinned(worker_cpus), sys.executable, "-m", "ops.cli", "worker"], env,
-                  f"http://127.0.0.1:{worker_port}/health")
+    procs = [Proc(f"{prefix}-worker" + (f"-{i}" if i else ""),
+                  [*pinned(worker_cpus), sys.executable, "-m", "ops.cli", "worker"],
+                  {**env, "KNS_WORKER__ADMIN_PORT": str(worker_port + i),
+                   "KNS_WORKER__INSTANCE_ID": f"{prefix}-worker-{namespace}" + (f"-{i}" if i else "")},
+                  f"http://127.0.0.1:{worker_port + i}/health") for i in range(workers)]
     gateway = Proc(f"{prefix}-gateway", [*pinned(gateway_cpus), sys.executable, "-m", "ops.cli", "gateway",
                                          "--processes", str(gateway_processes)], env,
                    # the last process's own port: the others started at the same moment
                    f"http://127.0.0.1:{gateway_port + 50 + gateway_processes - 1}/health" if gateway_processes > 1
                    else f"http://127.0.0.1:{gateway_port}/health")
-    return secret, [worker, gateway]
+    return secret, [*procs, gateway]
 
 
 def pinned(cpus: str) -> list[str]:
