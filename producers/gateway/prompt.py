@@ -2,7 +2,7 @@
 
 The gateway tokenizes (not the worker) so that it can reject a prompt that does not fit the context before
 anything reaches Kafka, and so that the request event carries exactly the token ids the engine will see.
-Tokenizing is CPU work: callers run :meth:`PromptBuilder.render` in a thread.
+Tokenizing is CPU work: :meth:`PromptBuilder.tokens` runs it in a thread unless the messages are short.
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ from producers.gateway.errors import bad_request
 from producers.gateway.protocol import ChatCompletionRequest
 from runtime.settings import ModelSettings
 from schemas.events import ChatMessage, SamplingSpec
+
+#: messages up to this many characters in all are rendered on the event loop (under 1 ms of CPU)
+INLINE_RENDER_CHARS = 2000
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,16 @@ class PromptBuilder:
 
         tokenizer = await asyncio.to_thread(_load)
         return cls(tokenizer, ModelCard(model.served_name, model.max_model_len, model.owned_by))
+
+    async def tokens(self, messages: list[ChatMessage]) -> list[int]:
+        """The prompt's token ids: rendered on the event loop when the messages are short, in a thread when not.
+
+        A thread hand-off costs the loop about as much as rendering a short prompt (0.2 ms for a one-line message
+        here, about 0.4 µs per character more) and then contends with it for the GIL; a long prompt would stall
+        every stream of the loop for milliseconds."""
+        if sum(len(m.content) for m in messages) <= INLINE_RENDER_CHARS:
+            return self.render(messages)
+        return await asyncio.to_thread(self.render, messages)
 
     def render(self, messages: list[ChatMessage]) -> list[int]:
         """Blocking: apply the chat template and tokenize."""

@@ -148,7 +148,7 @@ class ChatService:
         if not key.allows_model(body.model):
             raise model_not_allowed(body.model)
         messages = to_event_messages(body)
-        prompt_ids = await asyncio.to_thread(self._prompts.render, messages)
+        prompt_ids = await self._prompts.tokens(messages)
         sampling = self._prompts.sampling(body, len(prompt_ids))
         created_at = utcnow()
         request = ChatRequest(

@@ -52,6 +52,10 @@ class StreamCollector:
         self._tokens = 0
         self._stamps: list[int] = []
         self._ready = asyncio.Event()
+        #: while a ``get`` waits with a timeout: until when (loop time); its timer, and whether it went off
+        self._deadline: float | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._expired = False
 
     @property
     def finished(self) -> bool:
@@ -93,8 +97,10 @@ class StreamCollector:
     async def get(self, timeout_s: float | None = None) -> Delta:
         """Wait for news (at most ``timeout_s``: TimeoutError), then take all of it."""
         if not self._ready.is_set():  # news already waiting costs no wait and no timer (a busy stream's usual case)
-            async with asyncio.timeout(timeout_s):
+            if timeout_s is None:
                 await self._ready.wait()
+            else:
+                await self._wait_until(asyncio.get_running_loop().time() + timeout_s)
         self._ready.clear()
         delta = Delta(text="".join(self._parts), token_count=self._tokens, emitted_at_us=self._stamps,
                       position=self.accepted)
@@ -105,4 +111,36 @@ class StreamCollector:
             delta.error, delta.error_code = final.error, final.error_code
         elif stream.error is not None:
             delta.finish_reason, delta.error, delta.error_code = "error", stream.error, stream.error_code
+        if delta.finish_reason is not None and self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         return delta
+
+    async def _wait_until(self, deadline: float) -> None:
+        """Wait for news until ``deadline``, else TimeoutError. One timer per stream, moved lazily: each wait only
+        moves the deadline (a timer per wait, armed and cancelled at every token, was a tenth of the gateway's
+        event loop with thousands of slow streams); the timer re-arms itself for the deadline it finds when it
+        goes off early."""
+        self._deadline, self._expired = deadline, False
+        if self._timer is None or self._timer.when() > deadline:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = asyncio.get_running_loop().call_at(deadline, self._on_timer)
+        try:
+            await self._ready.wait()
+        finally:
+            self._deadline = None
+        if self._expired and not self._stamps and not self.stream.ended:
+            self._ready.clear()
+            raise TimeoutError
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if self._deadline is None:  # nobody waits: the next wait arms a timer again
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._deadline:
+            self._timer = loop.call_at(self._deadline, self._on_timer)
+            return
+        self._expired = True
+        self._ready.set()

@@ -11,9 +11,14 @@ from runtime.settings import GatewaySettings, TierPolicy
 from schemas.events import SamplingSpec
 from tests.fakes.tenancy import local_admission
 
+
+async def _three_tokens(messages: object) -> list[int]:
+    return [1, 2, 3]
+
+
 #: a PromptBuilder for model "m": every prompt is 3 tokens, every request asks for 8
 PROMPTS = SimpleNamespace(card=SimpleNamespace(served_name="m"), render=lambda messages: [1, 2, 3],
-                          sampling=lambda body, n: SamplingSpec(max_tokens=8))
+                          tokens=_three_tokens, sampling=lambda body, n: SamplingSpec(max_tokens=8))
 
 
 class Clock:

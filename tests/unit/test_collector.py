@@ -79,3 +79,54 @@ async def test_an_inconsistent_event_ends_the_stream_at_once_with_an_error() -> 
     delta = await c.get()
     assert (delta.text, delta.finish_reason, delta.from_worker) == ("a", "error", False)
     assert "missing" in (delta.error or "")
+
+
+async def test_a_wait_without_news_times_out_and_news_after_it_is_still_delivered() -> None:
+    c = StreamCollector("r")
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    try:
+        await c.get(0.05)
+    except TimeoutError:
+        pass
+    else:
+        raise AssertionError("no TimeoutError")
+    assert loop.time() - started >= 0.05
+    c.put(ev(0, "a"))
+    assert (await c.get(0.05)).text == "a"
+
+
+async def test_each_wait_has_its_own_deadline_with_one_timer_moved_lazily() -> None:
+    c = StreamCollector("r")
+    first = asyncio.ensure_future(c.get(0.05))
+    await asyncio.sleep(0.01)
+    c.put(ev(0, "a"))
+    assert (await first).text == "a"
+    # the timer armed for the first wait goes off at 0.05 s: this wait is not over then
+    second = asyncio.ensure_future(c.get(0.3))
+    await asyncio.sleep(0.15)
+    assert not second.done()
+    c.put(ev(1, "b"))
+    assert (await second).text == "b"
+    # a shorter wait after a longer one still ends at its own deadline
+    long_wait = asyncio.ensure_future(c.get(5))
+    await asyncio.sleep(0)
+    long_wait.cancel()
+    try:
+        await asyncio.wait_for(c.get(0.05), 1)
+    except TimeoutError:
+        pass
+    else:
+        raise AssertionError("no TimeoutError")
+
+
+async def test_news_that_comes_as_the_timer_goes_off_is_delivered_not_lost() -> None:
+    c = StreamCollector("r")
+    waiting = asyncio.ensure_future(c.get(0.02))
+    await asyncio.sleep(0.02)
+    c.put(ev(0, "a"))  # same moment as the deadline: either outcome must keep the token
+    try:
+        text = (await waiting).text
+    except TimeoutError:
+        text = (await c.get(0.05)).text
+    assert text == "a"

@@ -57,3 +57,15 @@ async def test_min_tokens_above_max_tokens_is_rejected(prompts: PromptBuilder) -
     with pytest.raises(ApiError) as info:
         prompts.sampling(parse_body(request(max_tokens=3, min_tokens=5)), prompt_tokens=10)
     assert info.value.param == "min_tokens"
+
+
+async def test_short_and_long_prompts_render_the_same_ids_inline_or_in_a_thread(prompts: PromptBuilder) -> None:
+    import orjson
+
+    from producers.gateway.prompt import INLINE_RENDER_CHARS
+
+    for text in ("Hi.", "word " * (INLINE_RENDER_CHARS // 5 + 10)):
+        body = parse_body(orjson.dumps({"model": "m", "messages": [{"role": "user", "content": text}]}))
+        messages = to_event_messages(body)
+        assert len(await prompts.tokens(messages)) > (1 if len(text) < 10 else INLINE_RENDER_CHARS // 5)
+        assert await prompts.tokens(messages) == prompts.render(messages)
