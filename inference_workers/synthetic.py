@@ -60,24 +60,29 @@ class StepClock:
 
     def __init__(self, interval: float) -> None:
         self._interval = interval
-        self._tick: asyncio.Future[None] | None = None
+        #: a future per request waiting for the next tick (a request cancelled mid-wait cancels only its own, which
+        #: a shared future under ``asyncio.shield`` also ensured, at twice the cost per waiter)
+        self._waiters: list[asyncio.Future[None]] | None = None
         self._last = -math.inf
 
     async def next(self) -> None:
-        if self._tick is None or self._tick.done():
-            loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
+        if self._waiters is None:
             at = (math.floor(loop.time() / self._interval) + 1) * self._interval
             # A timer may fire a hair early: never schedule the tick that just fired again.
             at = max(at, self._last + self._interval)
             self._last = at
-            self._tick = loop.create_future()
-            loop.call_at(at, _resolve, self._tick)
-        await asyncio.shield(self._tick)  # a request cancelled mid-wait must not cancel the step for the others
+            self._waiters = []
+            loop.call_at(at, self._tick, self._waiters)
+        waiter = loop.create_future()
+        self._waiters.append(waiter)
+        await waiter
 
-
-def _resolve(tick: asyncio.Future[None]) -> None:
-    if not tick.done():
-        tick.set_result(None)
+    def _tick(self, waiters: list[asyncio.Future[None]]) -> None:
+        self._waiters = None
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
 
 class SyntheticEngine:
