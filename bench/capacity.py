@@ -88,6 +88,9 @@ class Assumptions:
     mean_context_tokens: int = 1500
     #: cores per gateway host
     cores_per_host: int = 32
+    #: worker replicas per cell: a cell has its own work-queue topics (one consumer group each), so that no topic
+    #: needs more partitions than a cell has replicas (Kafka's guidance: a few thousand partitions per broker)
+    replicas_per_cell: int = 256
 
 
 MODELS = (Model("Llama-3-8B", 8.0, 32, 8, 128, tp=1), Model("Llama-3-70B", 70.6, 80, 8, 128, tp=4))
@@ -191,6 +194,7 @@ def plan(load: Load, m: Measured, a: Assumptions, model: Model) -> dict[str, Any
                             (token_records + 4 * load.requests_per_s) * a.replication / a.broker_records_s)
                         / a.utilisation)
     replicas = gpu["gpus"] // model.tp
+    cells = math.ceil(replicas / a.replicas_per_cell)
     return {
         "load": load.name, "requests_per_s": load.requests_per_s, "output_tokens_per_s": load.output_tokens_per_s,
         "concurrent_streams": round(concurrent_streams),
@@ -201,8 +205,8 @@ def plan(load: Load, m: Measured, a: Assumptions, model: Model) -> dict[str, Any
                   "brokers": max(brokers, a.replication),
                   # one reply partition per gateway process (+25 % to add processes without a reassignment)
                   "token_partitions": math.ceil(gateway_processes * 1.25),
-                  # every worker replica consumes its share of each priority class's queue
-                  "request_partitions_per_class": replicas},
+                  # every worker replica of a cell consumes its share of each priority class's queue of the cell
+                  "cells": cells, "request_partitions_per_class": math.ceil(replicas / cells)},
         "cassandra_nodes": max(a.replication, math.ceil(load.requests_per_s * a.cassandra_writes_per_request
                                                         * a.replication / a.cassandra_writes_per_node_s
                                                         / a.utilisation)),
@@ -231,7 +235,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"{m['sources']['transport']}): **{m['records_per_token']:.3f} records, {m['bytes_per_token']:.0f} bytes**",
         "",
         "| load | model | concurrent streams | gateway cores | gateway processes (bound) | Kafka brokers | "
-        "token partitions | request partitions / class | Cassandra nodes | Redis shards | GPUs (decode + prefill) |",
+        "token partitions | worker cells x request partitions / class | Cassandra nodes | Redis shards | "
+        "GPUs (decode + prefill) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in result["plans"]:
@@ -241,7 +246,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"{g['model']} (TP {g['tp']}) | {p['concurrent_streams']:,} | {p['gateway']['cores']:,} | "
             f"{p['gateway']['processes']:,} ({p['gateway']['bound_by']}) | {p['kafka']['brokers']} "
             f"({p['kafka']['ingress_mb_s']:,} MB/s in) | {p['kafka']['token_partitions']:,} | "
-            f"{p['kafka']['request_partitions_per_class']:,} | {p['cassandra_nodes']} | {p['redis_shards']} | "
+            f"{p['kafka']['cells']} x {p['kafka']['request_partitions_per_class']:,} | {p['cassandra_nodes']} | "
+            f"{p['redis_shards']} | "
             f"{g['gpus']:,} ({g['decode_gpus']:,} + {g['prefill_gpus']:,}) |")
     lines += ["", "| model | batch per replica (HBM) | decode tok/s per replica | tok/s per stream | "
               "batch-1 bound tok/s |", "|---|---|---|---|---|"]
