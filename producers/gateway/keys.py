@@ -68,7 +68,7 @@ class KeySuspensions:
     async def lift(self, key_id: str) -> bool:
         was = await self._redis.delete(self._cache_key(key_id))
         await execute(self._session, self._delete, (key_id,))
-        self._known.pop(key_id, None)
+        self._known[key_id] = (time.monotonic(), None)
         return bool(was)
 
     async def reason(self, key_id: str) -> str | None:
@@ -84,10 +84,15 @@ class KeySuspensions:
         return await asyncio.shield(reading)
 
     async def _read(self, key_id: str) -> str | None:
+        started = time.monotonic()
         try:
             value = await self._redis.get(self._cache_key(key_id))
         finally:
             del self._reading[key_id]
+        known = self._known.get(key_id)
+        if known is not None and known[0] >= started:
+            # suspended or lifted here while the read was under way: Redis may have answered before the change
+            return known[1]
         reason = None if value is None else str(value)
         self._forget_old()
         self._known[key_id] = (time.monotonic(), reason)

@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from schemas.events import TokenEvent, TokenUsage
 from schemas.token_stream import TokenStream
 
+#: a deadline this close counts as reached (the event loop's timers are no finer)
+TIMER_RESOLUTION_S = 0.001
+
 
 @dataclass
 class Delta:
@@ -128,18 +131,29 @@ class StreamCollector:
             self._timer = asyncio.get_running_loop().call_at(deadline, self._on_timer)
         try:
             await self._ready.wait()
+        except asyncio.CancelledError:
+            self._forget_expiry()  # cancelled as the timer went off: its wake-up is no news for the next wait
+            raise
         finally:
             self._deadline = None
+        if self._forget_expiry():
+            raise TimeoutError
+
+    def _forget_expiry(self) -> bool:
+        """Whether the timer, not news, ended the wait (then the wake-up is cleared)."""
         if self._expired and not self._stamps and not self.stream.ended:
             self._ready.clear()
-            raise TimeoutError
+            return True
+        return False
 
     def _on_timer(self) -> None:
         self._timer = None
         if self._deadline is None:  # nobody waits: the next wait arms a timer again
             return
         loop = asyncio.get_running_loop()
-        if loop.time() < self._deadline:
+        # uvloop rounds a timer to whole milliseconds and may go off up to 0.5 ms early: re-arming for less than a
+        # millisecond would go off again at once, every loop iteration until its clock ticks
+        if self._deadline - loop.time() > TIMER_RESOLUTION_S:
             self._timer = loop.call_at(self._deadline, self._on_timer)
             return
         self._expired = True
