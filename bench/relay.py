@@ -11,7 +11,6 @@ B. The real path with a synthetic engine (tokens at a fixed rate per request, no
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import sys
 import time
@@ -22,9 +21,10 @@ from typing import Any
 import httpx
 import orjson
 
+from bench.common import percentiles
 from bench.cpu import CpuMeter
 from bench.loadgen import RequestResult, Target, plan
-from bench.servers import Proc, infra_pids, pin_threads, pinned, pipeline
+from bench.servers import Proc, infra_pids, pin_threads, pinned, pipeline, wait_healthy
 from bench.stages import quantiles, scrape
 from bench.workload import Shape
 from producers.relay.demux import Relay
@@ -138,7 +138,8 @@ async def stream_capacity(settings: Settings, levels: list[int], tokens: int, ra
             proc.start()
         await asyncio.gather(*(p.wait() for p in procs))
         for metrics_port in metrics_ports:  # every process serves (the health URL waited for the last one)
-            await _serving(metrics_port)
+            if not await wait_healthy(f"http://127.0.0.1:{metrics_port}/health", 120):
+                raise RuntimeError(f"the gateway process on port {metrics_port} did not serve within 120 s")
         for n in levels:
             report(f"{n} concurrent streams")
             level = await _level(n, tokens, rate, ramp_s, secret, settings.model.served_name, port, metrics_ports,
@@ -191,7 +192,7 @@ async def _level(n: int, tokens: int, rate: float, ramp_s: float, secret: str, m
     return {"streams": n, "completed": s["completed"], "errors": s["errors"], "wall_s": s["wall_s"],
             "relayed_events_per_s": round(relayed / s["wall_s"]) if s["wall_s"] else None,
             "ttft_s": s["ttft_s"], "itl_s": s["itl_s"],
-            "longest_gap_s": {"p50": _quantile(gaps, 0.5), "max": round(max(gaps), 3) if gaps else None,
+            "longest_gap_s": {"p50": _round(percentiles(gaps)["p50"]), "max": round(max(gaps), 3) if gaps else None,
                               "engine_gap_s": round(1 / rate, 3)},
             "gateway_cores_busy": round(gateway_cpu / s["wall_s"], 2) if s["wall_s"] else None,
             "gateway_us_per_event": round(gateway_cpu / relayed * 1e6, 1) if gateway_cpu and relayed else None,
@@ -201,11 +202,8 @@ async def _level(n: int, tokens: int, rate: float, ramp_s: float, secret: str, m
             "tokens_per_worker": [round(b - a) for a, b in zip(tokens_before, tokens_after, strict=True)]}
 
 
-def _quantile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
 
 
 def _cpu_set(cpus: str) -> set[int]:
@@ -214,17 +212,6 @@ def _cpu_set(cpus: str) -> set[int]:
         first, _, last = part.partition("-")
         out.update(range(int(first), int(last or first) + 1))
     return out
-
-
-async def _serving(port: int, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient(timeout=3) as client:
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if (await client.get(f"http://127.0.0.1:{port}/health")).status_code == 200:
-                    return
-            await asyncio.sleep(0.5)
-    raise RuntimeError(f"the gateway process on port {port} did not serve within {timeout_s:g} s")
 
 
 async def _routed(ports: list[int]) -> float:

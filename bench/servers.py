@@ -13,6 +13,7 @@ import contextlib
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,18 +68,12 @@ class Proc:
         spawn(self.cmd, log_file=self.log, pid_file=self.pid_file, env=self.env, cwd=REPO_ROOT)
 
     async def wait(self, timeout_s: float = 600) -> None:
-        deadline = time.monotonic() + timeout_s
-        async with httpx.AsyncClient(timeout=3) as client:
-            while time.monotonic() < deadline:
-                if self.pid_file.live_pid() is None:
-                    raise RuntimeError(f"{self.name} exited:\n{tail(self.log)}")
-                try:
-                    if (await client.get(self.health)).status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                await asyncio.sleep(1)
-        raise RuntimeError(f"{self.name} not healthy in {timeout_s} s:\n{tail(self.log)}")
+        def alive() -> None:
+            if self.pid_file.live_pid() is None:
+                raise RuntimeError(f"{self.name} exited:\n{tail(self.log)}")
+
+        if not await wait_healthy(self.health, timeout_s, alive, every_s=1):
+            raise RuntimeError(f"{self.name} not healthy in {timeout_s} s:\n{tail(self.log)}")
 
     def stop(self) -> None:
         stop(self.pid_file)
@@ -134,6 +129,22 @@ async def pipeline(settings: Settings, *, namespace: str, gateway_port: int, wor
                    f"http://127.0.0.1:{gateway_port + 50 + gateway_processes - 1}/health" if gateway_processes > 1
                    else f"http://127.0.0.1:{gateway_port}/health")
     return secret, [*procs, gateway]
+
+
+async def wait_healthy(url: str, timeout_s: float, alive: Callable[[], None] | None = None,
+                       every_s: float = 0.5) -> bool:
+    """Poll a health URL until it answers 200 (True) or ``timeout_s`` passes (False); ``alive`` raises when
+    what should answer is gone."""
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=3) as client:
+        while time.monotonic() < deadline:
+            if alive is not None:
+                alive()
+            with contextlib.suppress(httpx.HTTPError):
+                if (await client.get(url)).status_code == 200:
+                    return True
+            await asyncio.sleep(every_s)
+    return False
 
 
 def pinned(cpus: str) -> list[str]:
