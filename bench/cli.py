@@ -480,3 +480,38 @@ def scale(
                       row["saturated"])
     console.print(table)
     console.print(f"[green]saved[/green] {save('scale', result)}")
+
+
+@app.command("affinity")
+def affinity(
+    conversations: int = typer.Option(4, min=1, help="Conversations per setup (their turns run one at a time)."),
+    turns: int = typer.Option(10, min=2, help="Turns per conversation."),
+    output_tokens: int = typer.Option(16, min=1, help="max_output_tokens of each turn."),
+) -> None:
+    """Prefix-cache affinity: cached prompt tokens and TTFT of multi-turn conversations on two workers, with the
+    turns of a conversation keyed by it (one worker) and without."""
+    from bench.affinity import run
+
+    result = asyncio.run(run(load_settings(), conversations=conversations, turns=turns,
+                             output_tokens=output_tokens, say=lambda m: console.print(f"[dim]•[/dim] {m}")))
+    table = Table(title=f"{conversations} conversations x {turns} turns on 2 workers: engine-reported cached "
+                        "prompt tokens (median) and TTFT (median, client-side)")
+    table.add_column("turn", justify="right")
+    for label in ("affinity", "none"):
+        table.add_column(f"{label}: cached / prompt", justify="right")
+        table.add_column(f"{label}: TTFT ms", justify="right")
+    setups = result["setups"]
+    for turn in setups["affinity"]["by_turn"]:
+        cells = []
+        for label in ("affinity", "none"):
+            row = setups[label]["by_turn"][turn]
+            cells += [f"{row['cached_tokens_p50']:.0f} / {row['input_tokens_p50']:.0f}",
+                      f"{row['ttft_s_p50'] * 1000:.0f}"]
+        table.add_row(str(turn), *cells)
+    console.print(table)
+    for label in ("affinity", "none"):
+        setup = setups[label]
+        console.print(f"{label}: cached share of prompt tokens (turns 2+) {setup['cached_share_turns_2_on']}, "
+                      f"TTFT p50 {setup['ttft_s_p50_turns_2_on']} s, errors {setup['errors']}")
+    console.print(f"TTFT p50 without affinity / with: {result['ttft_p50_ratio_none_over_affinity']}x")
+    console.print(f"[green]saved[/green] {save('affinity', result)}")

@@ -127,7 +127,7 @@ class Job:
     attended_tokens: int = 0
     #: generation is over and its outcome being committed: aborting it now would only lose the commit
     finalizing: bool = False
-    #: the completion's text so far, earlier attempts' included (kept only when the client asked to store it)
+    #: the completion's text so far, earlier attempts' included (kept only when it is stored or a turn recorded)
     text_parts: list[str] = field(default_factory=list)
 
     def describe(self) -> dict[str, object]:
@@ -447,7 +447,7 @@ class Intake:
         # What earlier attempts emitted was relayed by some gateway, or is resumable: a later unattended cancel
         # bills at least that (a new Job knows nothing of the presence checks of the attempts before it).
         job.attended_tokens = max(job.attended_tokens, prefix.tokens)
-        if job.request.store:
+        if job.request.keeps_record:
             job.text_parts = [prefix.text]
 
     async def _read_prefix(self, job: Job) -> EmittedPrefix:
@@ -502,7 +502,7 @@ class Intake:
             job.seq += 1
             job.last_delivery = delivery
             job.tokens += len(ids)
-            if request.store:
+            if request.keeps_record:
                 job.text_parts.append(text)
             WORKER_TOKENS_OUT.inc(len(ids))
         return Outcome("error", [], "", "the engine ended the stream without a finish reason",
@@ -564,7 +564,8 @@ class Intake:
             finished_at=utcnow(), conversation_id=request.conversation_id,
         ) if billed else None
         WORKER_TOKENS_OUT.inc(len(outcome.final_ids))
-        stored = _stored(request, "".join(job.text_parts) + outcome.final_text, final) if request.store else None
+        stored = (StoredCompletion.of(request, "".join(job.text_parts) + outcome.final_text, final)
+                  if request.keeps_record else None)
         await self._finalizer.finish(Finished(final, record, request.reply.partition, job.source, job.offset,
                                               job.traceparent, job.last_delivery, stored=stored))
         WORKER_FINISHED.labels(finish_reason=outcome.finish_reason).inc()
@@ -573,14 +574,6 @@ class Intake:
 
     def state(self) -> list[dict[str, object]]:
         return [job.describe() for job in self.jobs.values()]
-
-
-def _stored(request: ChatRequest, text: str, final: TokenEvent) -> StoredCompletion:
-    assert final.usage is not None and final.finish_reason is not None
-    return StoredCompletion(completion_id=request.request_id, org_id=request.org_id, key_id=request.key_id,
-                            user=request.user, model=request.model, created_at=request.created_at,
-                            messages=request.messages, metadata=request.metadata, text=text,
-                            finish_reason=final.finish_reason, usage=final.usage, error=final.error)
 
 
 def _past_deadline(job: Job) -> bool:

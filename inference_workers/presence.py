@@ -7,6 +7,7 @@ A gateway process announces itself with a liveness key in Redis (renewed with it
 whose accepting gateway and listener are both gone for ``grace_s`` — the window its client has to reconnect
 elsewhere — is cancelled, billed for what was emitted while a gateway was last seen relaying it (a client resuming
 later still gets the rest from the log, unbilled). When Redis cannot be asked, nothing is cancelled on a guess.
+A background response is never cancelled so: it is generated to its end.
 
 Only gateway ids of the form ``instance/incarnation`` announce themselves (older gateways did not): others are
 never taken for gone.
@@ -53,7 +54,9 @@ class GatewayPresence:
             await self.check()
 
     async def check(self) -> None:
-        jobs = [j for j in self._intake.jobs.values() if announces_liveness(j.request.reply.gateway_id)]
+        # A background response is generated to its end whoever listens: its client polls or resumes later.
+        jobs = [j for j in self._intake.jobs.values()
+                if announces_liveness(j.request.reply.gateway_id) and not j.request.background]
         running = {j.request.request_id for j in jobs}
         self._unattended_since = {r: t for r, t in self._unattended_since.items() if r in running}
         self._listener = {r: g for r, g in self._listener.items() if r in running}

@@ -10,6 +10,7 @@ from bench.chaos.cli import chaos
 from bench.cli import app as bench_app
 from billing.cli import app as billing_app
 from ops.chat_cli import chat
+from ops.conversations_cli import app as conversations_app
 from ops.keys_cli import app as keys_app
 from ops.keys_cli import orgs_app
 from ops.stack.cli import app as stack_app
@@ -23,6 +24,7 @@ app.add_typer(orgs_app, name="orgs")
 app.add_typer(safety_app, name="safety")
 app.add_typer(billing_app, name="billing")
 app.add_typer(bench_app, name="bench")
+app.add_typer(conversations_app, name="conversations")
 app.command()(chat)
 app.command()(chaos)
 app.command()(topics)

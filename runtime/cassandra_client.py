@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+from cassandra import ConsistencyLevel
 from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile, ResponseFuture, Session
 from cassandra.policies import DCAwareRoundRobinPolicy
 from cassandra.query import PreparedStatement, dict_factory
@@ -36,6 +37,14 @@ def connect(settings: CassandraSettings, *, keyspace: str | None = None) -> tupl
 
 async def connect_async(settings: CassandraSettings) -> tuple[Cluster, Session]:
     return await asyncio.to_thread(connect, settings, keyspace=settings.keyspace)
+
+
+def prepare(session: Session, query: str) -> PreparedStatement:
+    """Blocking: a prepared statement at LOCAL_QUORUM, the consistency level of every store of the platform (a
+    quorum of the local data center's replicas: a read sees every write acknowledged before it)."""
+    statement = session.prepare(query)
+    statement.consistency_level = ConsistencyLevel.LOCAL_QUORUM
+    return statement
 
 
 async def execute(

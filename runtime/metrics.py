@@ -47,6 +47,19 @@ GATEWAY_HANDOVERS = Counter(
     "kns_gateway_stream_handovers_total", "Streams this gateway closed while stopping, for their clients to resume "
     "elsewhere (the generation goes on)"
 )
+GATEWAY_TURN_WAITS = Counter(
+    "kns_gateway_turn_waits_total", "Conversation turns that waited for their previous turn to be written "
+    "(written: it was; timed_out: the turn went on without it)", ["outcome"]
+)
+GATEWAY_TRUNCATED_ITEMS = Counter(
+    "kns_gateway_truncated_items_total", "History items left out of turns to fit the model's context"
+)
+STORED_RESPONSES = Counter(
+    "kns_store_responses_total", "Stored responses written by the store processor (created: a new row)", ["created"]
+)
+CONVERSATION_ITEMS = Counter(
+    "kns_store_conversation_items_total", "Conversation items appended by the conversation writer (upserts)"
+)
 STORED_COMPLETIONS = Counter(
     "kns_store_completions_total", "Stored completions written by the store processor (created: a new row)",
     ["created"]

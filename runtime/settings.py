@@ -163,6 +163,15 @@ class GatewaySettings(BaseModel):
     # A stream can be resumed on any gateway (Last-Event-ID, starting_after) for this long after it was accepted;
     # later, or for an unknown or another org's id, the answer is 404. Its tokens stay on the token topic (a day).
     resume_ttl_s: float = 900.0
+    # A conversation's next turn waits this long at most for its previous turn to be written (its items are the
+    # next turn's history); past it, the turn goes on with the history written so far.
+    turn_wait_s: float = 10.0
+    # A turn without max_output_tokens keeps this many tokens of the context free for its answer when its history
+    # is fitted (truncation: auto).
+    output_reserve_tokens: int = 512
+    # Turns of one conversation are keyed by it on the work queue: one partition, hence one worker and its prefix
+    # cache. Off: keyed by request id (what ``kns bench affinity`` compares against).
+    conversation_affinity: bool = True
 
     @model_validator(mode="after")
     def _default_instance(self) -> GatewaySettings:

@@ -50,18 +50,20 @@ class StreamRecord:
     user: str = ""
     #: the request's queue deadline (Unix seconds; 0: unknown): a resumed stream waits for its first token as long
     deadline_at: float = 0.0
+    #: what a Responses API stream needs to be served again (its response object, JSON); empty for a chat stream
+    extra: str = ""
 
     def to_redis(self) -> Mapping[Any, Any]:
         return {"org": self.org_id, "partition": self.partition, "from": self.from_offset, "model": self.model,
                 "created": self.created, "usage": int(self.include_usage), "gateway": self.gateway_id,
-                "user": self.user, "deadline": self.deadline_at}
+                "user": self.user, "deadline": self.deadline_at, "extra": self.extra}
 
     @classmethod
     def from_redis(cls, request_id: str, data: Mapping[Any, Any]) -> StreamRecord | None:
         try:
             return cls(request_id, data["org"], int(data["partition"]), int(data["from"]), data["model"],
                        int(data["created"]), data.get("usage") == "1", data["gateway"], data.get("user", ""),
-                       float(data.get("deadline", 0)))
+                       float(data.get("deadline", 0)), data.get("extra", ""))
         except (KeyError, ValueError):
             return None  # partly written (a Redis restart between fields cannot happen: one HSET), or foreign
 
@@ -96,6 +98,10 @@ class StreamDirectory:
 
     async def lookup(self, request_id: str) -> StreamRecord | None:
         return StreamRecord.from_redis(request_id, await self._redis.hgetall(self._key(request_id)))
+
+    async def forget(self, request_id: str) -> None:
+        """The stream can no longer be resumed (its response was deleted)."""
+        await self._redis.delete(self._key(request_id))
 
     async def listen(self, request_id: str, gateway_id: str) -> None:
         """This gateway process now serves the stream (``XX``-like: a record gone meanwhile stays gone)."""

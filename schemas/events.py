@@ -44,6 +44,28 @@ class ReplyTo(Event):
     gateway_id: str
 
 
+class Turn(Event):
+    """v4: a request that is one turn of a conversation (Responses API, or a chat completion continuing a
+    ``conversation_id``): what the conversation writer appends and what a stored response records."""
+
+    #: "responses" | "chat"
+    api: str
+    #: how many of the request's last messages are the turn's new input (the rest: instructions and history)
+    input_count: int
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    #: the Responses API's ``store``: keep the response for ``GET /v1/responses/{id}``
+    store: bool = True
+    background: bool = False
+    #: oldest history items left out to fit the model's context (``truncation: "auto"``)
+    truncated_items: int = 0
+    max_output_tokens: int | None = None
+    #: "auto" | "disabled", and the sampling asked for: what a stored response reports
+    truncation: str = "disabled"
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
 class ChatRequest(Event):
     request_id: str
     created_at: datetime
@@ -64,6 +86,24 @@ class ChatRequest(Event):
     #: v3: the client asked to store the completion (``store: true``), with its metadata
     store: bool = False
     metadata: dict[str, str] = Field(default_factory=dict)
+    #: v4: a conversation's turn (None: a plain chat completion)
+    turn: Turn | None = None
+
+    @property
+    def keeps_record(self) -> bool:
+        """Whether the worker writes a :class:`StoredCompletion` (a stored completion, or a turn to record)."""
+        return self.store or self.turn is not None
+
+    @property
+    def background(self) -> bool:
+        """A background response: generated to its end whether or not anyone listens."""
+        return self.turn is not None and self.turn.background
+
+    def turn_input(self) -> list[ChatMessage]:
+        """The messages a record keeps: a turn's new input only (its history is recorded already), else all."""
+        if self.turn is None:
+            return self.messages
+        return self.messages[len(self.messages) - self.turn.input_count:]
 
     @property
     def partition_key(self) -> str:
@@ -139,6 +179,24 @@ class StoredCompletion(Event):
     finish_reason: str
     usage: TokenUsage
     error: str | None = None
+    #: v2: whether it is listed among stored chat completions (``store: true`` on a chat completion; v1: always)
+    listed: bool = True
+    conversation_id: str | None = None
+    #: v2: the turn it records (``messages`` then holds the turn's new input only)
+    turn: Turn | None = None
+
+    @classmethod
+    def of(cls, request: ChatRequest, text: str, final: TokenEvent) -> StoredCompletion:
+        """The record of a request that ended with ``final`` (by its worker, or refused before any)."""
+        assert final.finish_reason is not None
+        return cls(completion_id=request.request_id, org_id=request.org_id, key_id=request.key_id,
+                   user=request.user, model=request.model, created_at=request.created_at,
+                   messages=request.turn_input(), metadata=request.metadata, text=text,
+                   finish_reason=final.finish_reason, usage=final.usage or TokenUsage(prompt_tokens=0,
+                                                                                      completion_tokens=0),
+                   error=final.error, listed=request.store, conversation_id=request.conversation_id,
+                   turn=request.turn and request.turn.model_copy(update={
+                       "temperature": request.sampling.temperature, "top_p": request.sampling.top_p}))
 
 
 class ErrorCode(enum.StrEnum):

@@ -162,10 +162,14 @@ TOPICS = TopicMap(
         key="completion_id",
         partitions=6,
         retention_ms=7 * DAY_MS,
-        producers=("inference workers (in the transaction of the request's final event)",),
-        consumers=("store processor (Cassandra: stored_completions, stored_completions_by_org)",),
-        description="Finished completions whose clients asked to store them (store: true): messages, metadata, "
-                    "text and usage, one record each; what GET /v1/chat/completions/{id} and its list serve.",
+        producers=("inference workers (in the transaction of the request's final event)",
+                   "safety processor (the requests it ends: refused, or expired before screening)"),
+        consumers=("store processor, the conversation writer (Cassandra: stored_completions, conversation_items, "
+                   "stored_responses)",),
+        description="Finished completions to record, one record each: chat completions whose clients asked to "
+                    "store them (store: true; what GET /v1/chat/completions/{id} and its list serve), and every "
+                    "turn of a conversation or of the Responses API (its new input and answer: what the "
+                    "conversation's items and GET /v1/responses/{id} serve).",
     ),
     verdicts=TopicSpec(
         name="llm.safety.verdicts.v1",

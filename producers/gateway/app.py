@@ -11,6 +11,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from functools import partial
 
 from fastapi import FastAPI
 
@@ -19,15 +20,19 @@ from billing.prices import LivePrices, PriceLead, PriceStore
 from producers.gateway import errors
 from producers.gateway.admission import Admission
 from producers.gateway.budget import HoldPricer
+from producers.gateway.conversations import ConversationService
 from producers.gateway.deps import GatewayContext
 from producers.gateway.keys import KeySuspensions
 from producers.gateway.limits import BodySizeLimit
 from producers.gateway.local_limiter import LocalLimiter
 from producers.gateway.prompt import PromptBuilder
 from producers.gateway.publisher import EventPublisher
-from producers.gateway.routes import admin, chat, health, models, stored, usage
+from producers.gateway.responses import ResponsesService
+from producers.gateway.responses_protocol import ResponseView
+from producers.gateway.routes import admin, chat, conversations, health, models, responses, stored, usage
 from producers.gateway.service import ChatService
 from producers.gateway.stored import StoredCompletions
+from producers.gateway.turns import TurnPlanner
 from producers.relay.claim import ReplyPartitionClaim
 from producers.relay.demux import Relay
 from producers.tenancy.admin import RegistryWriter, TenancyAdmin
@@ -42,6 +47,8 @@ from runtime.settings import Settings
 from runtime.streams import StreamDirectory
 from schemas.topics import TOPICS
 from stream_processors.store.completions import CompletionStore
+from stream_processors.store.conversations import ConversationStore
+from stream_processors.store.responses import ResponseStore
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +93,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             producer, kafka,
             (lambda _: TOPICS.requests_submitted) if settings.safety.prefilter else
             (lambda request: TOPICS.admitted(tiers.policy(request.tier).priority)),
-            TOPICS.control, settings.gateway.instance_id)
+            TOPICS.control, settings.gateway.instance_id, affinity=settings.gateway.conversation_affinity)
         tenancy_settings = settings.tenancy
         price_store = await asyncio.to_thread(PriceStore, session, settings.cassandra.keyspace,
                                               PriceLead(settings.processors.price_reload_s))
@@ -98,19 +105,35 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
                         reservation_ttl_s=tenancy_settings.reservation_ttl_s),
             LocalLimiter(share=tenancy_settings.local_share), tenancy_settings.tiers, holds)
         stack.push_async_callback(admission.drain)
+        streams = StreamDirectory(redis, settings.redis, ttl_s=settings.gateway.resume_ttl_s)
+        conversation_store = await ConversationStore.open(session, settings.cassandra.keyspace)
+        response_store = await ResponseStore.open(session, settings.cassandra.keyspace)
+        turns = TurnPlanner(prompts, conversation_store, response_store, redis, settings.redis, settings.gateway,
+                            in_flight=partial(_responding, streams))
         chat_service = ChatService(settings.gateway, prompts, publisher, relay, reply_partition, claim.gateway_id,
                                    admission=admission, tiers=tenancy_settings.tiers.policies(),
-                                   streams=StreamDirectory(redis, settings.redis, ttl_s=settings.gateway.resume_ttl_s))
+                                   streams=streams, turns=turns)
         stack.push_async_callback(chat_service.drain)
         # SIGTERM (``main.GatewayServer``): open streams are handed over at once, before the server drains.
         loop = asyncio.get_running_loop()
         app.state.on_exit = lambda: loop.call_soon_threadsafe(chat_service.hand_over)
+        responses_service = ResponsesService(chat_service, prompts, turns, response_store, publisher)
+        stack.callback(responses_service.stop)
         stored_completions = StoredCompletions(await CompletionStore.open(session, settings.cassandra.keyspace))
         app.state.ctx = GatewayContext(settings, tenancy, tenancy_admin, suspensions, ledger, prompts, claim, relay,
-                                       chat_service, stored_completions)
+                                       chat_service, stored_completions,
+                                       responses_service,
+                                       ConversationService(conversation_store))
         log.info("gateway ready", extra={"instance": settings.gateway.instance_id, "gateway_id": claim.gateway_id,
                                          "reply_partition": reply_partition})
         yield
+
+
+async def _responding(streams: StreamDirectory, response_id: str, org_id: str) -> bool:
+    """Whether a stored response of the org is being generated (its stream record lives)."""
+    record = await streams.lookup(response_id)
+    return (record is not None and record.org_id == org_id and bool(record.extra)
+            and ResponseView.from_json(record.extra).store)
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -119,6 +142,8 @@ def create_app(settings: Settings) -> FastAPI:
     errors.install(app)
     app.include_router(chat.router)
     app.include_router(stored.router)
+    app.include_router(responses.router)
+    app.include_router(conversations.router)
     app.include_router(models.router)
     app.include_router(usage.router)
     app.include_router(admin.router)

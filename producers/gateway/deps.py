@@ -9,9 +9,11 @@ from fastapi import Depends, Request
 
 from billing.ledger import Ledger
 from producers.gateway.admission import LIMITER_DOWN
+from producers.gateway.conversations import ConversationService
 from producers.gateway.errors import ApiError, unauthorized
 from producers.gateway.keys import KeySuspensions, hash_key
 from producers.gateway.prompt import PromptBuilder
+from producers.gateway.responses import ResponsesService
 from producers.gateway.service import ChatService
 from producers.gateway.stored import StoredCompletions
 from producers.relay.claim import ReplyPartitionClaim
@@ -35,6 +37,8 @@ class GatewayContext:
     relay: Relay
     chat: ChatService
     stored: StoredCompletions
+    responses: ResponsesService
+    conversations: ConversationService
 
 
 async def context(request: Request) -> GatewayContext:

@@ -107,8 +107,8 @@ UNSUPPORTED: dict[str, Unsupported] = {
     # OpenAI platform features: one service tier, no moderation settings
     "service_tier": Unsupported((None, "auto", "default")),
     "moderation": Unsupported(),
-    "prompt_cache_key": Unsupported(hint="Use conversation_id to keep a conversation's turns on one worker's "
-                                         "prefix cache."),
+    "prompt_cache_key": Unsupported(hint="Turns of a stored conversation (conversation_id, from POST "
+                                         "/v1/conversations) share one worker's prefix cache."),
     "prompt_cache_retention": Unsupported(),
     "prompt_cache_options": Unsupported(),
     "safety_identifier": Unsupported(hint="Use user to identify the end user."),
@@ -136,6 +136,17 @@ Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX), INTEGRAL,
                   WithJsonSchema({"type": "integer", "format": "int64"})]
 #: An empty stop string would stop nothing; the engine refuses it (after the request was accepted).
 StopString = Annotated[str, Field(min_length=1)]
+
+
+def refuse_unsupported(data: Any, table: dict[str, Unsupported]) -> Any:
+    """A request body without the unsupported parameters that ask for nothing; a 400 naming any other."""
+    if not isinstance(data, dict):
+        return data
+    for name, rule in table.items():
+        if name in data and not rule.accepts(data[name]):
+            raise PydanticCustomError("unsupported_parameter", rule.message(name),
+                                      {"param": name, "code": "unsupported_parameter"})
+    return {k: v for k, v in data.items() if k not in table}
 
 
 def _same_json(a: Any, b: Any) -> bool:
@@ -201,13 +212,7 @@ class ChatCompletionRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        for name, rule in UNSUPPORTED.items():
-            if name in data and not rule.accepts(data[name]):
-                raise PydanticCustomError("unsupported_parameter", rule.message(name),
-                                          {"param": name, "code": "unsupported_parameter"})
-        return {k: v for k, v in data.items() if k not in UNSUPPORTED}
+        return refuse_unsupported(data, UNSUPPORTED)
 
     @model_validator(mode="after")
     def _coherent(self) -> ChatCompletionRequest:

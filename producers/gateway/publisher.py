@@ -24,13 +24,15 @@ from schemas.topics import TopicSpec
 
 class EventPublisher:
     def __init__(self, producer: AIOKafkaProducer, kafka: KafkaSettings, route: Callable[[ChatRequest], TopicSpec],
-                 control_topic: TopicSpec, gateway_id: str) -> None:
-        """``route``: the topic a request goes to (the safety pre-filter's, or its priority class's work queue)."""
+                 control_topic: TopicSpec, gateway_id: str, *, affinity: bool = True) -> None:
+        """``route``: the topic a request goes to (the safety pre-filter's, or its priority class's work queue);
+        ``affinity``: key a conversation's turns by the conversation (else each request by its id)."""
         self._producer = producer
         self._kafka = kafka
         self._route = route
         self._control_topic = kafka.topic(control_topic.name)
         self._gateway_id = gateway_id
+        self._affinity = affinity
         self._requests = codec_for(ChatRequest)
         self._controls = codec_for(ControlEvent)
 
@@ -40,7 +42,7 @@ class EventPublisher:
             await self._producer.send_and_wait(
                 self._kafka.topic(self._route(request).name),
                 value=self._requests.encode(request),
-                key=request.partition_key.encode(),
+                key=(request.partition_key if self._affinity else request.request_id).encode(),
                 # Readable without the schema: a worker that cannot decode the body can still answer the client.
                 headers=[*to_headers(traceparent), *request_headers(request.request_id, request.reply.partition)],
                 timestamp_ms=int(time.time() * 1000),

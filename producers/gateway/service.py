@@ -26,6 +26,7 @@ import uuid
 from collections.abc import AsyncIterator, Coroutine, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 from redis.exceptions import RedisError
 
@@ -41,6 +42,7 @@ from producers.gateway.errors import (
 from producers.gateway.prompt import PromptBuilder, to_event_messages
 from producers.gateway.protocol import ChatCompletionRequest, usage_dict
 from producers.gateway.publisher import EventPublisher
+from producers.gateway.turns import TurnAsk, TurnPlanner
 from producers.relay.collector import Delta, StreamCollector
 from producers.relay.demux import Relay
 from producers.relay.sse import DONE, ChunkFormatter, completion
@@ -58,7 +60,16 @@ from runtime.metrics import (
 from runtime.settings import GatewaySettings, TierPolicy
 from runtime.spend import BudgetHold
 from runtime.streams import StreamDirectory, StreamRecord
-from schemas.events import ChatRequest, ErrorCode, ReplyTo, TokenUsage, utcnow
+from schemas.events import (
+    ChatMessage,
+    ChatRequest,
+    ErrorCode,
+    ReplyTo,
+    SamplingSpec,
+    TokenUsage,
+    Turn,
+    utcnow,
+)
 
 log = logging.getLogger(__name__)
 
@@ -98,10 +109,15 @@ class Accepted:
     #: queue deadline (Unix seconds, 0: unknown)
     client_has: int | None = None
     deadline_at: float = 0.0
+    #: a background response: generated to its end whoever listens, cancelled only when asked to
+    background: bool = False
+    #: a resumed stream's record (what its accepting gateway promised the client)
+    record: StreamRecord | None = None
 
     def __post_init__(self) -> None:
         if self.request is not None:
             self.model = self.request.model
+            self.background = self.request.background
 
     @property
     def request_id(self) -> str:
@@ -119,7 +135,8 @@ class Accepted:
 class ChatService:
     def __init__(self, gateway: GatewaySettings, prompts: PromptBuilder, publisher: EventPublisher,
                  relay: Relay, reply_partition: int, gateway_id: str, *, admission: Admission,
-                 tiers: Mapping[str, TierPolicy] | None = None, streams: StreamDirectory | None = None) -> None:
+                 tiers: Mapping[str, TierPolicy] | None = None, streams: StreamDirectory | None = None,
+                 turns: TurnPlanner | None = None) -> None:
         self._settings = gateway
         self._admission = admission
         self._tiers = dict(tiers or {})
@@ -128,6 +145,7 @@ class ChatService:
         self._relay = relay
         self._reply = ReplyTo(partition=reply_partition, gateway_id=gateway_id)
         self._streams = streams
+        self._turns = turns
         self._background: set[asyncio.Task[None]] = set()
         #: the streams being answered (handed over when the gateway stops)
         self._open: dict[str, Accepted] = {}
@@ -140,46 +158,61 @@ class ChatService:
 
     # --- 1. accept ------------------------------------------------------------------------------------
 
+    def check_model(self, model: str, key: ApiKey) -> None:
+        if model != self._prompts.card.served_name:
+            raise model_not_found(model)
+        if not key.allows_model(model):
+            raise model_not_allowed(model)
+
+    def new_request(self, request_id: str, key: ApiKey, model: str, messages: list[ChatMessage],
+                    prompt_ids: list[int], sampling: SamplingSpec, **fields: Any) -> ChatRequest:
+        created_at = utcnow()
+        return ChatRequest(request_id=request_id, created_at=created_at,
+                           deadline_at=created_at + timedelta(seconds=self.queue_deadline_s(key.tier)),
+                           org_id=key.org_id, key_id=key.key_id, tier=key.tier, model=model, messages=messages,
+                           prompt_token_ids=prompt_ids, sampling=sampling, reply=self._reply, **fields)
+
     async def accept(self, body: ChatCompletionRequest, key: ApiKey, *, client_addr: str | None,
                      traceparent: str) -> Accepted:
         received_at = time.perf_counter()
-        if body.model != self._prompts.card.served_name:
-            raise model_not_found(body.model)
-        if not key.allows_model(body.model):
-            raise model_not_allowed(body.model)
+        self.check_model(body.model, key)
         messages = to_event_messages(body)
-        prompt_ids = await self._prompts.tokens(messages)
+        turn: Turn | None = None
+        if body.conversation_id is not None:
+            if self._turns is None:
+                raise unavailable("Conversations are not available on this gateway.")
+            planned = await self._turns.plan(TurnAsk(
+                api="chat", org_id=key.org_id, new_input=messages, conversation_id=body.conversation_id,
+                max_output_tokens=body.requested_max_tokens, truncation="auto", param="conversation_id"))
+            messages, prompt_ids, turn = planned.messages, planned.prompt_ids, planned.turn
+        else:
+            prompt_ids = await self._prompts.tokens(messages)
         sampling = self._prompts.sampling(body, len(prompt_ids))
-        created_at = utcnow()
-        request = ChatRequest(
-            request_id=f"chatcmpl-{uuid.uuid4().hex}",
-            created_at=created_at,
-            deadline_at=created_at + timedelta(seconds=self.queue_deadline_s(key.tier)),
-            org_id=key.org_id,
-            key_id=key.key_id,
-            tier=key.tier,
-            model=body.model,
-            messages=messages,
-            prompt_token_ids=prompt_ids,
-            sampling=sampling,
-            stream=body.stream,
-            reply=self._reply,
-            conversation_id=body.conversation_id,
-            user=body.user,
-            client_addr=client_addr,
-            store=bool(body.store),
-            metadata=body.metadata or {},
-        )
+        request = self.new_request(
+            f"chatcmpl-{uuid.uuid4().hex}", key, body.model, messages, prompt_ids, sampling,
+            stream=body.stream, conversation_id=body.conversation_id, user=body.user, client_addr=client_addr,
+            store=bool(body.store), metadata=body.metadata or {}, turn=turn)
+        accepted = await self.submit(request, key, traceparent=traceparent, received_at=received_at,
+                                     include_usage=body.include_usage)
+        if turn is not None and self._turns is not None:
+            self._spawn(self._turns.started(request))
+        return accepted
+
+    async def submit(self, request: ChatRequest, key: ApiKey, *, traceparent: str, received_at: float,
+                     include_usage: bool = False, extra: str = "") -> Accepted:
+        """Admit a built request (429 past its limits), produce it and record its stream: the request is in
+        Kafka when this returns. ``extra``: what a resume needs besides the stream (a Responses stream's object)."""
+        prompt_ids, sampling, created_at = request.prompt_token_ids, request.sampling, request.created_at
         # Reserves prompt + max_tokens against the key's and org's limits (429 past them) before anything is produced
-        budget = self._admission.hold_for(key.org, body.model, len(prompt_ids), sampling.max_tokens, created_at)
+        budget = self._admission.hold_for(key.org, request.model, len(prompt_ids), sampling.max_tokens, created_at)
         ticket = await self._admit(request.request_id, len(prompt_ids) + sampling.max_tokens, key, budget)
         created = int(time.time())
         try:
-            collector = await self._submit(request, traceparent, created, body.include_usage)
+            collector = await self._submit(request, traceparent, created, include_usage, extra)
         except BaseException:
             self._spawn(self._admission.unsent(ticket, certain=False))
             raise
-        accepted = Accepted(request, collector, traceparent, body.include_usage, received_at, created=created,
+        accepted = Accepted(request, collector, traceparent, include_usage, received_at, created=created,
                             queue_deadline_s=self.queue_deadline_s(key.tier), ticket=ticket)
         if request.stream:
             self._track(accepted)
@@ -204,13 +237,13 @@ class ChatService:
         with contextlib.suppress(Exception):
             await self._admission.unsent(await admitting, certain=True)
 
-    async def _submit(self, request: ChatRequest, traceparent: str, created: int, include_usage: bool
-                      ) -> StreamCollector:
+    async def _submit(self, request: ChatRequest, traceparent: str, created: int, include_usage: bool,
+                      extra: str) -> StreamCollector:
         collector = self._relay.register(request.request_id)
         try:
             # Both before the client sees a byte: the stream is resumable from its first event.
             await asyncio.gather(self._publisher.submit(request, traceparent),
-                                 self._record_stream(request, collector, created, include_usage))
+                                 self._record_stream(request, collector, created, include_usage, extra))
         except BaseException:
             self._relay.unregister(request.request_id)
             # The produce may have failed after the record reached the log (a lost ack): no worker may generate it.
@@ -223,12 +256,12 @@ class ChatService:
         return collector
 
     async def _record_stream(self, request: ChatRequest, collector: StreamCollector, created: int,
-                             include_usage: bool) -> None:
+                             include_usage: bool, extra: str) -> None:
         if self._streams is None:
             return
         record = StreamRecord(request.request_id, request.org_id, self._reply.partition, collector.from_offset,
                               request.model, created, include_usage, self._reply.gateway_id, request.user or "",
-                              request.deadline_at.timestamp() if request.deadline_at else 0.0)
+                              request.deadline_at.timestamp() if request.deadline_at else 0.0, extra)
         try:
             await self._streams.record(record)
         except STREAM_STORE_ERRORS as exc:
@@ -238,12 +271,14 @@ class ChatService:
 
     # --- 1b. resume -----------------------------------------------------------------------------------
 
-    async def resume(self, request_id: str, client_has: int, key: ApiKey, *, traceparent: str) -> Accepted:
+    async def resume(self, request_id: str, client_has: int, key: ApiKey, *, traceparent: str,
+                     responses: bool = False) -> Accepted:
         """The rest of a stream this or another gateway accepted, after the event at ``client_has`` (-1: all of
-        it). 404 for an id that is unknown, expired or another org's."""
+        it). 404 for an id that is unknown, expired or another org's, or of the other API (``responses``: a
+        Responses API stream, else a chat completion's)."""
         received_at = time.perf_counter()
-        record = await self._stream_record(request_id)
-        if record is None or record.org_id != key.org_id:
+        record = await self.stream_record(request_id)
+        if record is None or record.org_id != key.org_id or bool(record.extra) != responses:
             GATEWAY_RESUMES.labels(outcome="not_found").inc()
             raise stream_not_found(request_id)
         try:
@@ -266,17 +301,27 @@ class ChatService:
         log.info("stream resumed", extra={"request_id": request_id, "client_has": client_has,
                                           "partition": record.partition, "accepted_by": record.gateway_id})
         accepted = Accepted(None, collector, traceparent, record.include_usage, received_at, created=record.created,
-                            model=record.model, client_has=client_has, deadline_at=record.deadline_at)
+                            model=record.model, client_has=client_has, deadline_at=record.deadline_at,
+                            record=record)
         self._track(accepted)
         return accepted
 
-    async def _stream_record(self, request_id: str) -> StreamRecord | None:
+    async def stream_record(self, request_id: str) -> StreamRecord | None:
         if self._streams is None:
             return None
         try:
             return await self._streams.lookup(request_id)
         except STREAM_STORE_ERRORS as exc:
             raise unavailable("The stream registry is unavailable; retry the resume.") from exc
+
+    async def forget_stream(self, request_id: str) -> None:
+        """No gateway resumes the stream any more (404 from now on)."""
+        if self._streams is None:
+            return
+        try:
+            await self._streams.forget(request_id)
+        except STREAM_STORE_ERRORS as exc:
+            raise unavailable("The stream registry is unavailable; retry.") from exc
 
     def hand_over(self) -> None:
         """The gateway is stopping: close every open stream for its client to resume elsewhere (the generations
@@ -302,15 +347,17 @@ class ChatService:
             return accepted.received_at + deadline_s + self._settings.first_token_grace_s - time.perf_counter()
         return self._settings.stream_idle_timeout_s
 
-    async def _next(self, accepted: Accepted) -> Delta:
+    async def next_delta(self, accepted: Accepted) -> Delta:
+        """The stream's next news: its deltas merged since the last call, its end, or the gateway's timeout."""
         patience = self._patience(accepted)
         try:
             delta = await accepted.collector.get(max(patience, 0.0))
         except TimeoutError:
             # The gateway gives up on its own: accepted.finished stays false, so _close cancels the generation.
             waited = "a first token" if accepted.first_token_at is None else "the next token"
+            # Positioned where the stream is, so that its error event comes after every delta the client has.
             return Delta(finish_reason="error", error=f"no worker produced {waited} within {patience:.0f} s",
-                         error_code=ErrorCode.STREAM_TIMEOUT)
+                         error_code=ErrorCode.STREAM_TIMEOUT, position=accepted.collector.accepted)
         if delta.token_count:
             now = time.perf_counter()
             if accepted.first_token_at is None and not accepted.resumed:
@@ -335,7 +382,7 @@ class ChatService:
         role_sent = accepted.has(0)
         try:
             while True:
-                delta = await self._next(accepted)
+                delta = await self.next_delta(accepted)
                 if delta.error_code == ErrorCode.GATEWAY_STOPPING:
                     # Stopping, or its relay feed failed: the generation goes on, the client resumes (here or
                     # on another gateway) from its last event.
@@ -355,7 +402,7 @@ class ChatService:
                 if delta.error or delta.finish_reason not in CLIENT_FINISH_REASONS:
                     outcome = "error"
                     if not accepted.has(end):
-                        yield fmt.frame(_generation_failed(delta).body(), end)
+                        yield fmt.frame(generation_failed(delta).body(), end)
                 else:
                     outcome = delta.finish_reason or "stop"
                     if not accepted.has(end):
@@ -365,7 +412,7 @@ class ChatService:
                 yield DONE
                 return
         finally:
-            self._close(accepted, outcome, stream=True)
+            self.close(accepted, outcome, stream=True)
 
     async def complete(self, accepted: Accepted) -> dict[str, object]:
         """The whole answer as one ``chat.completion`` object."""
@@ -373,13 +420,13 @@ class ChatService:
         outcome = "cancelled"
         try:
             while True:
-                delta = await self._next(accepted)
+                delta = await self.next_delta(accepted)
                 parts.append(delta.text)
                 if delta.finished:
                     break
             if delta.error or delta.finish_reason not in CLIENT_FINISH_REASONS:
                 outcome = "error"
-                raise _generation_failed(delta)
+                raise generation_failed(delta)
             text = "".join(parts)
             if delta.finish_reason == "content_filter" and not text:
                 outcome = "content_filter"
@@ -389,11 +436,22 @@ class ChatService:
             return completion(accepted.request_id, accepted.model, accepted.created, text,
                               outcome, _usage(accepted, delta.usage))
         finally:
-            self._close(accepted, outcome, stream=False)
+            self.close(accepted, outcome, stream=False)
 
     # --- 3. clean up ----------------------------------------------------------------------------------
 
-    def _close(self, accepted: Accepted, outcome: str, *, stream: bool) -> None:
+    def detach(self, accepted: Accepted, *, stream: bool) -> Ticket | None:
+        """A background response nobody relays here any more: its stream is closed on this gateway, the generation
+        goes on, and its admission (in-flight slot) is handed to the caller, who ends it when the response ends."""
+        ticket, accepted.ticket = accepted.ticket, None
+        self.close(accepted, "detached", stream=stream)
+        return ticket
+
+    async def end_ticket(self, ticket: Ticket, used_tokens: int | None) -> None:
+        await self._admission.end(ticket, used_tokens)
+
+    def close(self, accepted: Accepted, outcome: str, *, stream: bool) -> None:
+        """Every exit of a stream: unregister it, free its slots, and cancel a generation nobody will receive."""
         self._relay.unregister(accepted.request_id)
         self._open.pop(accepted.request_id, None)
         if accepted.ticket is not None:
@@ -406,14 +464,24 @@ class ChatService:
         log.info("request answered", extra={"request_id": accepted.request_id, "outcome": outcome,
                                             "ttft_ms": round(ttft * 1000, 1) if ttft else None,
                                             "e2e_ms": round(elapsed * 1000, 1)})
-        if outcome == "handed_over":
-            return  # the generation goes on: the client resumes it on another gateway
+        request = accepted.request
+        if (request is not None and request.conversation_id is not None and self._turns is not None
+                and not _appended(outcome, accepted.collector.delivered)):
+            self._spawn(self._turns.ended_unwritten(request.request_id, request.conversation_id))
+        if outcome in ("handed_over", "detached") or accepted.background:
+            # The generation goes on: the client resumes it on another gateway, or (a background response) polls
+            # or resumes it later; only its explicit cancel stops it.
+            return
         if not accepted.finished or outcome == "error":
             # The client is gone, the gateway gave up, or the stream ended in error (possibly before a worker even
             # started it): no worker may go on generating it. A task, because this frame is being cancelled.
             reason = "the stream ended in error" if outcome == "error" else "client disconnected"
             self._spawn(self._cancel(accepted.request_id, reason, accepted.traceparent,
                                      accepted.collector.delivered))
+
+    def spawn(self, coro: Coroutine[object, object, None]) -> None:
+        """Run a clean-up to its end even though the request that started it is cancelled."""
+        self._spawn(coro)
 
     def _spawn(self, coro: Coroutine[object, object, None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -432,6 +500,13 @@ class ChatService:
             await asyncio.gather(*self._background, return_exceptions=True)
 
 
+def _appended(outcome: str, delivered_tokens: int) -> bool:
+    """Whether a turn that ended so is appended to its conversation (``stream_processors/store/turns.py``), or
+    may still be (its generation goes on)."""
+    return (outcome in ("stop", "length", "handed_over", "detached")
+            or (outcome == "content_filter" and delivered_tokens > 0))
+
+
 def _usage(accepted: Accepted, usage: TokenUsage | None) -> dict[str, object]:
     if usage is None:  # a final event always has usage; this only guards a malformed one
         return usage_dict(len(accepted.request.prompt_token_ids) if accepted.request else 0, 0, 0)
@@ -447,7 +522,7 @@ STREAM_ERRORS: dict[str, tuple[int, str]] = {
 }
 
 
-def _generation_failed(delta: Delta) -> ApiError:
+def generation_failed(delta: Delta) -> ApiError:
     status, code = STREAM_ERRORS.get(delta.error_code or "", (502, delta.error_code or "generation_failed"))
     if delta.error_code == ErrorCode.QUEUE_DEADLINE_EXCEEDED:
         message = f"The service is overloaded: {delta.error}. Retry later."

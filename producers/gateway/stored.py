@@ -56,7 +56,7 @@ class StoredCompletions:
                 raise ApiError(404, f"No message with id '{after}' in this completion.", param="after",
                                code="not_found")
             messages = messages[ids.index(after) + 1:]
-        return _page(messages[:limit], len(messages) > limit)
+        return list_page(messages[:limit], len(messages) > limit)
 
     async def list(self, org_id: str, *, after: str | None, limit: int, ascending: bool, model: str | None,
                    metadata: dict[str, str]) -> dict[str, Any]:
@@ -68,7 +68,7 @@ class StoredCompletions:
                            code="not_found") from exc
         except STORE_ERRORS as exc:
             raise unavailable("Stored completions are unavailable right now; retry later.") from exc
-        return _page([_completion(row) for row in page.items], page.has_more)
+        return list_page([_completion(row) for row in page.items], page.has_more)
 
     async def delete(self, completion_id: str, org_id: str) -> dict[str, Any]:
         try:
@@ -87,6 +87,6 @@ def _completion(row: dict[str, Any]) -> dict[str, Any]:
     return {**body, "metadata": dict(row["metadata"] or {}), "request_id": row["completion_id"]}
 
 
-def _page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+def list_page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None, "has_more": has_more}

@@ -51,6 +51,8 @@ class StreamCollector:
         self.accepted = 0
         #: where its records start on the partition the relay reads them from (set when registered)
         self.from_offset = 0
+        #: the text of the deltas skipped (a resumed Responses stream ends with its whole text)
+        self.skipped_parts: list[str] = []
         self._parts: list[str] = []
         self._tokens = 0
         self._stamps: list[int] = []
@@ -84,6 +86,8 @@ class StreamCollector:
                 self._parts.append(accepted.text)
             self._tokens += accepted.tokens
             self._stamps.append(event.emitted_at_us)
+        elif accepted is not None and accepted.text:
+            self.skipped_parts.append(accepted.text)
         if (accepted is not None and self.accepted > self.skip_through) or (self.stream.ended and not was_ended):
             self._ready.set()
         return accepted is not None

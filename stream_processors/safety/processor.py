@@ -32,7 +32,15 @@ from runtime.redis_client import key as redis_key
 from runtime.redis_client import make_redis
 from runtime.settings import Settings
 from schemas.codec import codec_for
-from schemas.events import ChatRequest, ControlEvent, SafetyStage, SafetyVerdict, TokenEvent, utcnow
+from schemas.events import (
+    ChatRequest,
+    ControlEvent,
+    SafetyStage,
+    SafetyVerdict,
+    StoredCompletion,
+    TokenEvent,
+    utcnow,
+)
 from schemas.headers import reply_address
 from schemas.topics import PRIORITIES, TOPICS
 from stream_processors.app import DeadLetters, build_app, raw_topic
@@ -97,6 +105,7 @@ def build(settings: Settings) -> faust.App:
     work_queues = {p: raw_topic(app, settings, TOPICS.admitted(p)) for p in PRIORITIES}
     tiers = settings.tenancy.tiers
     verdicts, control = raw_topic(app, settings, TOPICS.verdicts), raw_topic(app, settings, TOPICS.control)
+    records, record_codec = raw_topic(app, settings, TOPICS.stored_completions), codec_for(StoredCompletion)
     requests_codec, token_codec = codec_for(ChatRequest), codec_for(TokenEvent)
     # Refusals are written in the workers' token record version: gateways not upgraded yet read them too.
     encode_token = functools.partial(token_codec.encode, version=settings.worker.token_record_version)
@@ -110,6 +119,16 @@ def build(settings: Settings) -> faust.App:
             await limiter.settle(request_id, 0, billed=False)
         except (RedisError, OSError) as exc:  # they lapse with the reservation's TTL
             log.warning("could not settle a refused request", extra={"request_id": request_id, "error": repr(exc)})
+
+    async def end_here(request: ChatRequest, final: TokenEvent) -> None:
+        """Answer a request that is never generated: its final event, and its record when it keeps one (a stored
+        completion, a turn: its response row says how it ended instead of staying unknown)."""
+        await tokens.send(key=request.request_id.encode(), value=encode_token(final),
+                          partition=request.reply.partition)
+        if request.keeps_record:
+            await records.send(key=request.request_id.encode(),
+                               value=record_codec.encode(StoredCompletion.of(request, "", final)))
+        await unbilled(request.request_id)
 
     async def send_verdict(event: SafetyVerdict) -> None:
         await verdicts.send(key=event.request_id.encode(), value=verdict_codec.encode(event))
@@ -133,9 +152,7 @@ def build(settings: Settings) -> faust.App:
             ended = expired(request, now)
             if ended is not None:  # its client is told at once; nothing is generated or billed
                 SAFETY_STALE.labels(stage="pre").inc()
-                await tokens.send(key=request.request_id.encode(), value=encode_token(ended),
-                                  partition=request.reply.partition)
-                await unbilled(request.request_id)
+                await end_here(request, ended)
                 continue
             if request.deadline_at is None and now.timestamp() - request.created_at.timestamp() > \
                     settings.safety.max_request_age_s:  # an older gateway's request (no deadline): dropped
@@ -147,9 +164,7 @@ def build(settings: Settings) -> faust.App:
         verdicts = await classify_many(classifier, [prompt_text(request) for _, request in batch], "pre")
         for (event, request), verdict in zip(batch, verdicts, strict=True):
             if verdict.blocked:
-                await tokens.send(key=request.request_id.encode(), value=encode_token(refusal(request)),
-                                  partition=request.reply.partition)
-                await unbilled(request.request_id)
+                await end_here(request, refusal(request))
             else:
                 await work_queues[tiers.policy(request.tier).priority].send(
                     key=event.key, value=event.value, headers=event.message.headers)

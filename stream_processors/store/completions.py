@@ -16,11 +16,11 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import orjson
-from cassandra import ConsistencyLevel
 from cassandra.cluster import Session
 from cassandra.query import PreparedStatement
 
 from runtime.cassandra_client import execute
+from runtime.cassandra_client import prepare as prepare_at_quorum
 from schemas.events import StoredCompletion, utcnow
 
 #: how long a stored completion is kept (OpenAI keeps them 30 days)
@@ -57,9 +57,7 @@ class CompletionStore:
         ks = keyspace
 
         def prepare(query: str) -> PreparedStatement:
-            statement = session.prepare(query)
-            statement.consistency_level = ConsistencyLevel.LOCAL_QUORUM
-            return statement
+            return prepare_at_quorum(session, query)
 
         self._insert = prepare(f"INSERT INTO {ks}.stored_completions ({', '.join(_COLUMNS)}) "
                                f"VALUES ({', '.join('?' * len(_COLUMNS))}) IF NOT EXISTS USING TTL {RETENTION_S}")

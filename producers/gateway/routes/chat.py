@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import orjson
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPBearer
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from producers.gateway.deps import Caller, Context
 from producers.gateway.errors import (
@@ -37,10 +38,12 @@ from runtime.tracing import child_of
 
 router = APIRouter()
 log = logging.getLogger(__name__)
+Body = TypeVar("Body", bound=BaseModel)
+Answer = TypeVar("Answer")
 
 #: Declares the bearer scheme in ``/openapi.json`` only: ``deps.authenticate`` checks the key (this one never
 #: refuses, auto_error is off, so a missing key still gets our 401 body).
-_bearer = HTTPBearer(auto_error=False, description="An API key (`kns keys create`).")
+bearer = HTTPBearer(auto_error=False, description="An API key (`kns keys create`).")
 
 #: What ``/openapi.json`` says this route reads and answers. The body is parsed by :func:`parse_body` (raw bytes,
 #: our error shape), so FastAPI only documents the schema, it never validates with it.
@@ -90,7 +93,8 @@ RESPONSES: dict[int | str, dict[str, Any]] = {
 RESPONSES[429]["headers"] = {**RATE_HEADERS, **RETRY_HEADERS}
 
 
-def parse_body(raw: bytes) -> ChatCompletionRequest:
+def parse_json(raw: bytes, model: type[Body]) -> Body:
+    """A request body in our error shape (FastAPI's own validation answers in its own)."""
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -98,9 +102,13 @@ def parse_body(raw: bytes) -> ChatCompletionRequest:
     if not isinstance(data, dict):
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
     try:
-        return ChatCompletionRequest.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as exc:
         raise from_validation(exc) from exc
+
+
+def parse_body(raw: bytes) -> ChatCompletionRequest:
+    return parse_json(raw, ChatCompletionRequest)
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -108,8 +116,22 @@ async def _until_disconnect(request: Request) -> None:
         pass
 
 
+async def until_answered(request: Request, answering: Coroutine[Any, Any, Answer]) -> Answer | None:
+    """The answer of a non-streaming request; None when its client hung up first (the answer is cancelled, which
+    cancels its generation)."""
+    answer = asyncio.ensure_future(answering)
+    gone = asyncio.ensure_future(_until_disconnect(request))
+    await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if not answer.done():
+        answer.cancel()
+        await asyncio.gather(answer, return_exceptions=True)
+        return None
+    gone.cancel()
+    return answer.result()
+
+
 @router.post("/v1/chat/completions", response_model=None, responses=RESPONSES, openapi_extra=OPENAPI_BODY,
-             dependencies=[Depends(_bearer)])
+             dependencies=[Depends(bearer)])
 async def chat_completions(request: Request, ctx: Context, key: Caller) -> Response:
     last_event_id = request.headers.get("last-event-id")
     if last_event_id is not None:
@@ -127,19 +149,13 @@ async def chat_completions(request: Request, ctx: Context, key: Caller) -> Respo
         return StreamingResponse(ctx.chat.stream(accepted), media_type="text/event-stream",
                                  headers={**headers, "cache-control": "no-cache"})
     # Non-streaming: a client that hangs up must still cancel the generation.
-    answer = asyncio.ensure_future(ctx.chat.complete(accepted))
-    gone = asyncio.ensure_future(_until_disconnect(request))
-    await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
-    if not answer.done():
-        answer.cancel()
-        await asyncio.gather(answer, return_exceptions=True)
-        return Response(status_code=499)
-    gone.cancel()
     try:
-        result: dict[str, Any] = answer.result()
+        result = await until_answered(request, ctx.chat.complete(accepted))
     except ApiError as exc:  # an admitted request's error answer carries its rate-limit headers too
         exc.headers = {**headers, **(exc.headers or {})}
         raise
+    if result is None:
+        return Response(status_code=499)
     return JSONResponse(result, headers=headers)
 
 
@@ -160,7 +176,7 @@ async def _resume(request: Request, ctx: Context, key: Caller, request_id: str, 
                                       "cache-control": "no-cache"})
 
 
-@router.get("/v1/chat/completions/{completion_id}", response_model=None, dependencies=[Depends(_bearer)],
+@router.get("/v1/chat/completions/{completion_id}", response_model=None, dependencies=[Depends(bearer)],
             responses={200: {"description": "A stored completion (`store: true`) as a `chat.completion` object; with "
                                             "`stream=true`: the rest of the completion's stream, as server-sent "
                                             "events after the one named by `Last-Event-ID` or `starting_after` "

@@ -1,0 +1,138 @@
+"""The Conversations API use case: create, retrieve, update, delete, list, and read a conversation's items.
+
+Turns are appended by the conversation writer from the log (``stream_processors/store``), never here: a gateway
+creates a conversation (with its initial items) and reads. Everything is within the caller's org: another org's
+id is answered as unknown (404), as is a deleted one, at once.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC
+from typing import Any
+
+from producers.gateway.errors import ApiError, unavailable
+from producers.gateway.responses_protocol import ConversationCreate
+from producers.gateway.stored import STORE_ERRORS, list_page
+from producers.gateway.turns import conversation_not_found
+from producers.tenancy.view import ApiKey
+from schemas.events import utcnow
+from schemas.ids import CONVERSATION_PREFIX, ITEM_PREFIX, input_item_id, new_conversation_id, plausible
+from stream_processors.store.conversations import Conversation, ConversationNotFound, ConversationStore, Item
+
+
+def item_not_found(item_id: str) -> ApiError:
+    return ApiError(404, f"Item with id '{item_id}' not found.", param="item_id", code="not_found")
+
+
+def _unavailable(exc: BaseException) -> ApiError:
+    error = unavailable("Conversations are unavailable right now; retry later.")
+    error.__cause__ = exc
+    return error
+
+
+class ConversationService:
+    def __init__(self, store: ConversationStore) -> None:
+        self._store = store
+
+    async def create(self, body: ConversationCreate, key: ApiKey) -> dict[str, Any]:
+        conversation_id = new_conversation_id()
+        at = utcnow()
+        conversation = Conversation(conversation_id, key.org_id, at, body.metadata or {})
+        items = [Item(input_item_id(conversation_id, i), m.role, m.text(), at, i)
+                 for i, m in enumerate(body.items or [])]
+        try:
+            await self._store.create(conversation, items)
+        except STORE_ERRORS as exc:
+            raise _unavailable(exc) from exc
+        return conversation_object(conversation)
+
+    async def get(self, conversation_id: str, key: ApiKey) -> dict[str, Any]:
+        return conversation_object(await self._conversation(conversation_id, key))
+
+    async def update(self, conversation_id: str, metadata: dict[str, str], key: ApiKey) -> dict[str, Any]:
+        self._check(conversation_id)
+        try:
+            updated = await self._store.update_metadata(conversation_id, key.org_id, metadata)
+        except STORE_ERRORS as exc:
+            raise _unavailable(exc) from exc
+        if updated is None:
+            raise conversation_not_found(conversation_id, "conversation_id")
+        return conversation_object(updated)
+
+    async def delete(self, conversation_id: str, key: ApiKey) -> dict[str, Any]:
+        self._check(conversation_id)
+        try:
+            deleted = await self._store.delete(conversation_id, key.org_id)
+        except STORE_ERRORS as exc:
+            raise _unavailable(exc) from exc
+        if not deleted:
+            raise conversation_not_found(conversation_id, "conversation_id")
+        return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
+
+    async def list(self, key: ApiKey, *, after: str | None, limit: int) -> dict[str, Any]:
+        try:
+            page = await self._store.list_owned(key.org_id, after=after, limit=limit)
+        except KeyError as exc:
+            raise ApiError(404, f"No conversation with id '{after}' to list after.", param="after",
+                           code="not_found") from exc
+        except STORE_ERRORS as exc:
+            raise _unavailable(exc) from exc
+        return list_page([conversation_object(c) for c in page.items], page.has_more)
+
+    async def items(self, conversation_id: str, key: ApiKey, *, after: str | None, limit: int,
+                    ascending: bool) -> dict[str, Any]:
+        self._check(conversation_id)
+        if after is not None and not plausible(after, ITEM_PREFIX):
+            raise item_not_found(after)
+        try:
+            page = await self._store.items(conversation_id, key.org_id, after=after, limit=limit,
+                                           ascending=ascending)
+        except ConversationNotFound as exc:
+            raise conversation_not_found(conversation_id, "conversation_id") from exc
+        except KeyError as exc:
+            raise ApiError(404, f"No item with id '{after}' in this conversation.", param="after",
+                           code="not_found") from exc
+        except STORE_ERRORS as exc:
+            raise _unavailable(exc) from exc
+        return list_page([item_object(i) for i in page.items], page.has_more)
+
+    async def item(self, conversation_id: str, item_id: str, key: ApiKey) -> dict[str, Any]:
+        await self._conversation(conversation_id, key)
+        if not plausible(item_id, ITEM_PREFIX):
+            raise item_not_found(item_id)
+        try:
+            found = await self._store.get_item(conversation_id, key.org_id, item_id)
+        except STORE_ERRORS as exc:
+            raise _unavailable(exc) from exc
+        if found is None:
+            raise item_not_found(item_id)
+        return item_object(found)
+
+    async def _conversation(self, conversation_id: str, key: ApiKey) -> Conversation:
+        self._check(conversation_id)
+        try:
+            found = await self._store.get(conversation_id, key.org_id)
+        except STORE_ERRORS as exc:
+            raise _unavailable(exc) from exc
+        if found is None:
+            raise conversation_not_found(conversation_id, "conversation_id")
+        return found
+
+    @staticmethod
+    def _check(conversation_id: str) -> None:
+        if not plausible(conversation_id, CONVERSATION_PREFIX):
+            raise conversation_not_found(conversation_id, "conversation_id")
+
+
+def conversation_object(conversation: Conversation) -> dict[str, Any]:
+    return {"id": conversation.conversation_id, "object": "conversation",
+            "created_at": int(conversation.created_at.astimezone(UTC).timestamp()),
+            "metadata": dict(conversation.metadata)}
+
+
+def item_object(item: Item) -> dict[str, Any]:
+    kind = "output_text" if item.role == "assistant" else "input_text"
+    part: dict[str, Any] = {"type": kind, "text": item.text}
+    if kind == "output_text":
+        part["annotations"] = []
+    return {"id": item.item_id, "type": "message", "status": item.status, "role": item.role, "content": [part]}

@@ -1,0 +1,67 @@
+"""``/v1/conversations`` and their items: thin adapters over
+:class:`producers.gateway.conversations.ConversationService`. ``GET /v1/conversations`` (the org's conversations,
+newest first) is ours: OpenAI has no listing."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import APIRouter, Depends, Query, Request
+
+from producers.gateway.deps import Caller, Context
+from producers.gateway.errors import error_responses
+from producers.gateway.protocol import openapi_schema
+from producers.gateway.responses_protocol import ConversationCreate, ConversationUpdate
+from producers.gateway.routes.chat import bearer, parse_json
+
+router = APIRouter(dependencies=[Depends(bearer)])
+
+_ERRORS = error_responses({400: "A malformed body or parameter.", 401: "No API key, or an unknown one.",
+                           404: "No such conversation or item in your organization (unknown or deleted), or an "
+                                "`after` cursor that is not one.",
+                           503: "Conversations are unavailable right now."})
+Limit = Query(default=20, ge=1, le=100)
+After = Query(default=None, min_length=1, max_length=256)
+
+
+def _body(model: type[Any]) -> dict[str, Any]:
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": openapi_schema(model)}}}}
+
+
+@router.post("/v1/conversations", responses=_ERRORS, openapi_extra=_body(ConversationCreate))
+async def create_conversation(request: Request, ctx: Context, key: Caller) -> dict[str, Any]:
+    raw = await request.body()
+    return await ctx.conversations.create(parse_json(raw or b"{}", ConversationCreate), key)
+
+
+@router.get("/v1/conversations", responses=_ERRORS)
+async def list_conversations(ctx: Context, key: Caller, after: str | None = After,
+                             limit: int = Limit) -> dict[str, Any]:
+    return await ctx.conversations.list(key, after=after, limit=limit)
+
+
+@router.get("/v1/conversations/{conversation_id}", responses=_ERRORS)
+async def get_conversation(conversation_id: str, ctx: Context, key: Caller) -> dict[str, Any]:
+    return await ctx.conversations.get(conversation_id, key)
+
+
+@router.post("/v1/conversations/{conversation_id}", responses=_ERRORS, openapi_extra=_body(ConversationUpdate))
+async def update_conversation(conversation_id: str, request: Request, ctx: Context, key: Caller) -> dict[str, Any]:
+    body = parse_json(await request.body(), ConversationUpdate)
+    return await ctx.conversations.update(conversation_id, body.metadata, key)
+
+
+@router.delete("/v1/conversations/{conversation_id}", responses=_ERRORS)
+async def delete_conversation(conversation_id: str, ctx: Context, key: Caller) -> dict[str, Any]:
+    return await ctx.conversations.delete(conversation_id, key)
+
+
+@router.get("/v1/conversations/{conversation_id}/items", responses=_ERRORS)
+async def list_items(conversation_id: str, ctx: Context, key: Caller, after: str | None = After,
+                     limit: int = Limit, order: Literal["asc", "desc"] = Query(default="desc")) -> dict[str, Any]:
+    return await ctx.conversations.items(conversation_id, key, after=after, limit=limit, ascending=order == "asc")
+
+
+@router.get("/v1/conversations/{conversation_id}/items/{item_id}", responses=_ERRORS)
+async def get_item(conversation_id: str, item_id: str, ctx: Context, key: Caller) -> dict[str, Any]:
+    return await ctx.conversations.item(conversation_id, item_id, key)
