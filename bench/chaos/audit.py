@@ -99,6 +99,10 @@ class Table:
     #: it is what ``kns billing spend --repair`` restores, and does not count against the goals
     spend_minus_ledger_usd: str = "0"
     spend_wiped: bool = False
+    #: a load of conversations: the turns checked, and those whose conversation does not hold exactly their input
+    #: and their answer once (the conversation writer's audit)
+    turns_checked: int = 0
+    turns_misrecorded: int = 0
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -106,7 +110,7 @@ class Table:
         return (self.completed + sum(self.failed.values()) == self.sent and "no [DONE]" not in self.failed
                 and not any(k.startswith("connection") for k in self.failed) and self.tokens_duplicated == 0
                 and self.tokens_lost == 0 and self.spliced_streams == 0 and self.ledger_minus_replay == 0
-                and self.billed_for_nobody == 0 and self.billed_short == 0
+                and self.billed_for_nobody == 0 and self.billed_short == 0 and self.turns_misrecorded == 0
                 and (self.spend_wiped or Decimal(self.spend_minus_ledger_usd) == 0))
 
     def as_json(self) -> dict[str, Any]:
@@ -115,7 +119,9 @@ class Table:
 
 async def audit(scenario: str, settings: Settings, kafka: KafkaSettings, org_id: str, streams: list[Stream],
                 started_at: datetime, *, synthetic: bool, reference: list[str] | None = None,
-                billing_wait_s: float = 90.0, redis: RedisSettings | None = None, redis_wiped: bool = False) -> Table:
+                billing_wait_s: float = 90.0, redis: RedisSettings | None = None, redis_wiped: bool = False,
+                conversations: tuple[str, str] | None = None) -> Table:
+    """``conversations``: the gateway's base URL and the API key, for a load whose streams are conversation turns."""
     table = Table(scenario, sent=len(streams))
     outcomes = Counter(s.outcome for s in streams)
     table.completed = outcomes.pop("completed", 0)
@@ -155,12 +161,49 @@ async def audit(scenario: str, settings: Settings, kafka: KafkaSettings, org_id:
     table.resumed_streams = sum(1 for s in streams if s.resumes)
     gaps = [g for s in streams for g in s.resume_gaps]
     table.resume_gap_s = {k: v for k, v in percentiles(gaps).items() if k in ("p50", "p99")}
+    if conversations is not None:
+        await _turns(table, streams, *conversations)
     rows = await _billing(table, settings, kafka, org_id, delivered, started_at, billing_wait_s)
     if redis is not None:
         table.spend_wiped = redis_wiped
         table.spend_minus_ledger_usd = str(usd(await _billed_spend(redis, org_id, rows)
                                                - ledger_nanos(r.cost for r in rows)))
     return table
+
+
+async def _turns(table: Table, streams: list[Stream], base_url: str, api_key: str, wait_s: float = 60.0) -> None:
+    """Every completed turn is in its conversation exactly once, as the client received it; nothing else is (a
+    failed turn is not appended). The writer catches up after its restart: wait for it, within ``wait_s``."""
+    import httpx
+
+    expected = {s.conversation_id: ([s.prompt, s.text] if s.completed else []) for s in streams if s.conversation_id}
+    wrong: dict[str, str] = {}
+    deadline = time.monotonic() + wait_s
+    async with httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {api_key}"},
+                                 timeout=30) as client:
+        pending = dict(expected)
+        while pending:
+            for conversation_id, want in list(pending.items()):
+                page = (await client.get(f"/conversations/{conversation_id}/items",
+                                         params={"order": "asc", "limit": 100})).json()
+                got = ["".join(p["text"] for p in item["content"]) for item in page["data"]]
+                if got == want:
+                    pending.pop(conversation_id)
+                    wrong.pop(conversation_id, None)
+                else:
+                    wrong[conversation_id] = f"{len(got)} items, {len(want)} expected"
+            if not pending or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(1.0)
+        await asyncio.sleep(2.0)  # a late redelivery would add copies now: read every conversation once more
+        for conversation_id, want in expected.items():
+            page = (await client.get(f"/conversations/{conversation_id}/items",
+                                     params={"order": "asc", "limit": 100})).json()
+            if ["".join(p["text"] for p in item["content"]) for item in page["data"]] != want:
+                wrong.setdefault(conversation_id, f"{len(page['data'])} items, {len(want)} expected")
+    table.turns_checked = len(expected)
+    table.turns_misrecorded = len(wrong)
+    table.notes += [f"conversation {c}: {why}" for c, why in list(wrong.items())[:5]]
 
 
 async def _billed_spend(settings: RedisSettings, org_id: str, rows: list[LedgerRow]) -> int:

@@ -82,6 +82,8 @@ def render(tables: list[Table]) -> RichTable:
         "billed for nobody": lambda t: str(t.billed_for_nobody),
         "spend minus ledger (USD)": lambda t: t.spend_minus_ledger_usd + (" (wiped)" if t.spend_wiped else ""),
         "tokens received, not billed": lambda t: str(t.billed_short),
+        "turns misrecorded (of checked)": lambda t: f"{t.turns_misrecorded} ({t.turns_checked})"
+        if t.turns_checked else "-",
         "goals": lambda t: "[green]met[/green]" if t.goals_met else "[red]NOT MET[/red]",
     }
     for label, cell in rows.items():

@@ -32,6 +32,8 @@ class Stream:
     gateway: int = 0
     temperature: float = 0.0
     seed: int | None = None
+    #: the conversation it is a turn of (a load with conversations)
+    conversation_id: str | None = None
     request_id: str | None = None
     last_event_id: str | None = None
     #: reconnections that continued the stream on another gateway, and each one's time without a connection
@@ -78,6 +80,8 @@ def body(stream: Stream, model: str) -> bytes:
     }
     if stream.seed is not None:
         payload["seed"] = stream.seed
+    if stream.conversation_id is not None:
+        payload["conversation_id"] = stream.conversation_id
     return orjson.dumps(payload)
 
 
@@ -170,11 +174,13 @@ class Load:
 
     def __init__(self, base_urls: list[str], api_key: str, model: str, *, requests: int, concurrency: int,
                  max_tokens: int, label: str, temperature: float = 0.0, seed: int | None = None,
-                 mixed: bool = False) -> None:
+                 mixed: bool = False, conversations: bool = False) -> None:
         self.base_urls, self.api_key, self.model = base_urls, api_key, model
         self.streams = [Stream(i, f"chaos {label} request {i}: tell me a story", max_tokens,
                                gateway=i % len(base_urls)) for i in range(requests)]
         self.concurrency = concurrency
+        #: each stream the first turn of a conversation of its own (created before the load starts)
+        self.conversations = conversations
         # mixed: every other stream greedy (temperature 0, no seed), the others sampled as asked
         for stream in self.streams:
             if not (mixed and stream.index % 2 == 0):
@@ -199,6 +205,15 @@ class Load:
     def _client(base_url: str, connections: int) -> httpx.AsyncClient:
         return httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(600.0, connect=10.0),
                                  limits=httpx.Limits(max_connections=connections))
+
+    async def open_conversations(self) -> None:
+        """One conversation per stream, before the load (what the conversation writer's audit reads back)."""
+        headers = {"Authorization": f"Bearer {self.api_key}"}
+        async with self._client(self.base_urls[0], 8) as client:
+            for stream in self.streams:
+                created = await client.post("/conversations", json={}, headers=headers)
+                created.raise_for_status()
+                stream.conversation_id = created.json()["id"]
 
     async def run(self, progress: Any = None) -> list[Stream]:
         limit = asyncio.Semaphore(self.concurrency)

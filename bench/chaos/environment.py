@@ -33,6 +33,8 @@ from runtime.settings import REPO_ROOT, RedisSettings, Settings
 from schemas.topics import TOPICS
 
 RUN_ROOT = REPO_ROOT / ".local" / "chaos"
+#: how a Faust worker's process retitles itself (a stream processor's service process)
+FAUST_TITLE = b"[Faust:Worker]"
 
 
 @dataclass
@@ -48,6 +50,10 @@ class Ports:
     @property
     def billing(self) -> int:
         return self.base + 30
+
+    @property
+    def store(self) -> int:
+        return self.base + 31
 
     @property
     def redis(self) -> int:
@@ -79,6 +85,8 @@ class ChaosEnv:
     workers: list[Proc] = field(default_factory=list)
     gateways: list[Proc] = field(default_factory=list)
     others: list[Proc] = field(default_factory=list)
+    #: the store processor (the conversation writer), for the scenarios whose load holds conversations
+    writer: Proc | None = None
     api_key: str = ""
 
     @property
@@ -124,14 +132,15 @@ class ChaosEnv:
                "KNS_KAFKA__SESSION_TIMEOUT_MS": str(k.session_timeout_ms),
                "KNS_WORKER__LIVENESS_TTL_S": str(k.liveness_ttl_s),
                "KNS_FAULTS__DIR": str(self.faults_dir),
-               "KNS_PROCESSORS__BILLING_PORT": str(self.ports.billing)}
+               "KNS_PROCESSORS__BILLING_PORT": str(self.ports.billing),
+               "KNS_PROCESSORS__STORE_PORT": str(self.ports.store)}
         if k.engine == "vllm":
             env["KNS_ENGINE__MAX_NUM_SEQS"] = str(k.max_seqs)
         return {**env, **k.extra}
 
     # --- lifecycle ------------------------------------------------------------------------------------
 
-    async def start(self, *, workers: int = 2, gateways: int = 1) -> None:
+    async def start(self, *, workers: int = 2, gateways: int = 1, writer: bool = False) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         await ensure_topics(self.kafka(), TOPICS.all())  # type: ignore[arg-type]
         await asyncio.to_thread(apply_schema, self.settings.cassandra)  # idempotent: the current schema
@@ -142,9 +151,15 @@ class ChaosEnv:
         billing = Proc(f"chaos-{self.run_id}-billing", [sys.executable, "-m", "ops.cli", "processor", "billing"],
                        self.env(), f"http://127.0.0.1:{self.ports.billing}/health")
         self.others = [redis, billing]
+        if writer:
+            self.writer = Proc(f"chaos-{self.run_id}-store", [sys.executable, "-m", "ops.cli", "processor", "store"],
+                               self.env(), f"http://127.0.0.1:{self.ports.store}/health")
+            self.others.append(self.writer)
         redis.start()
         await self.wait_redis()
         billing.start()
+        if self.writer is not None:
+            self.writer.start()
         for _ in range(workers):
             self.add_worker()
         for i in range(gateways):
@@ -153,7 +168,7 @@ class ChaosEnv:
                 "KNS_GATEWAY__INSTANCE_ID": f"chaos-{self.run_id}-gateway-{i}"}))
         for proc in self.gateways:
             proc.start()
-        await asyncio.gather(billing.wait(300), *(p.wait(300) for p in self.workers + self.gateways))
+        await asyncio.gather(*(p.wait(300) for p in [*self.others[1:], *self.workers, *self.gateways]))
 
     def _app(self, name: str, command: str, port: int, extra: dict[str, str]) -> Proc:
         health = f"http://127.0.0.1:{port}/health"
@@ -203,7 +218,7 @@ class ChaosEnv:
     # --- faults ---------------------------------------------------------------------------------------
 
     #: the module each supervised service runs (``kns worker`` execs a supervisor whose child runs it)
-    SERVICE_MODULES = ("inference_workers.main", "producers.gateway.main")
+    SERVICE_MODULES = ("inference_workers.main", "producers.gateway.main", "stream_processors.runner")
 
     @classmethod
     def service_pid(cls, proc: Proc) -> int:
@@ -214,8 +229,9 @@ class ChaosEnv:
             raise RuntimeError(f"{proc.name} is not running")
         for child in Path(f"/proc/{supervisor}/task/{supervisor}/children").read_text().split():
             with contextlib.suppress(OSError):
-                argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-                if any(m.encode() in argv for m in cls.SERVICE_MODULES):
+                raw = Path(f"/proc/{child}/cmdline").read_bytes()
+                # A Faust worker retitles itself (setproctitle): its command line no longer names its module
+                if any(m.encode() in raw.split(b"\0") for m in cls.SERVICE_MODULES) or raw.startswith(FAUST_TITLE):
                     return int(child)
         raise RuntimeError(f"{proc.name} runs no service process right now")
 

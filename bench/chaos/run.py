@@ -32,13 +32,13 @@ async def run_scenario(settings: Settings, scenario: Scenario, shape: LoadShape,
     try:
         say(f"starting a stack of its own (namespace {env.namespace}, {scenario.workers} workers, "
             f"{scenario.gateways} gateways, {engine} engine)")
-        await env.start(workers=scenario.workers, gateways=scenario.gateways)
+        await env.start(workers=scenario.workers, gateways=scenario.gateways, writer=scenario.conversations)
 
         def new_load() -> Load:
             return Load(env.base_urls, env.api_key, settings.model.served_name, requests=shape.requests,
                         concurrency=shape.concurrency, max_tokens=shape.max_tokens,
                         label=f"{scenario.name}-{env.run_id}", temperature=shape.temperature, seed=shape.seed,
-                        mixed=shape.mixed)
+                        mixed=shape.mixed, conversations=scenario.conversations)
 
         reference = None
         if engine != "synthetic":
@@ -48,6 +48,8 @@ async def run_scenario(settings: Settings, scenario: Scenario, shape: LoadShape,
         await scenario.before_load(env, say)
         started_at = utcnow()
         load = new_load()
+        if scenario.conversations:
+            await load.open_conversations()
         say(f"load: {shape.requests} streams of {shape.max_tokens} tokens, {shape.concurrency} at a time")
         running = asyncio.create_task(load.run())
         await scenario.inject(env, load, say)
@@ -55,7 +57,8 @@ async def run_scenario(settings: Settings, scenario: Scenario, shape: LoadShape,
         say(f"load done at {load.now():.1f} s; auditing streams, token log and ledger")
         table = await audit(scenario.name, settings, env.kafka(), env.org_id, streams, started_at,  # type: ignore[arg-type]
                             synthetic=engine == "synthetic", reference=reference, redis=env.redis_settings(),
-                            redis_wiped=scenario.name == "restart-redis")
+                            redis_wiped=scenario.name == "restart-redis",
+                            conversations=(env.base_url, env.api_key) if scenario.conversations else None)
         context = {"namespace": env.namespace, "engine": engine, "knobs": env.knobs.__dict__,
                    "workers": scenario.workers, "gateways": scenario.gateways, "shape": shape.__dict__,
                    "summary": scenario.summary}

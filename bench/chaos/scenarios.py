@@ -18,6 +18,8 @@ class Scenario(Protocol):
     #: workers and gateways running when the load starts (the load spreads its streams over the gateways)
     workers: int
     gateways: int
+    #: each stream is a turn of a conversation of its own, and the conversation writer runs (and is audited)
+    conversations: bool
 
     def knobs(self, knobs: Knobs) -> Knobs:
         """The services' settings this scenario needs (shorter deadlines, a smaller engine)."""
@@ -40,12 +42,22 @@ async def _until(load: Load, t: float) -> None:
     await asyncio.sleep(max(0.0, t - load.now()))
 
 
+async def _streams_done(load: Load, at_least: int, poll_s: float = 0.05) -> int:
+    """Waits until at least ``at_least`` streams of the load are done (the load has no event to wait on)."""
+    while True:
+        done = sum(s.done for s in load.streams)
+        if done >= at_least:
+            return done
+        await asyncio.sleep(poll_s)
+
+
 @dataclass
 class Base:
     name: str = ""
     summary: str = ""
     workers: int = 2
     gateways: int = 1
+    conversations: bool = False
     fault_at_s: float = 1.5
 
     def knobs(self, knobs: Knobs) -> Knobs:
@@ -216,7 +228,27 @@ class RollGateways(Base):
             say(f"gateway {i} back at {load.now():.1f} s")
 
 
+@dataclass
+class KillWriter(Base):
+    name: str = "kill-writer"
+    summary: str = ("SIGKILL the conversation writer (the store processor) while turns of conversations finish; "
+                    "its supervisor starts it again: every answered turn appended once")
+    conversations: bool = True
+    turns_before: int = 6
+
+    async def inject(self, env: ChaosEnv, load: Load, say: Say) -> None:
+        assert env.writer is not None
+        await _until(load, self.fault_at_s)
+        # Mid-work: some turns written (their offsets committed or not: a redelivery must not add copies), more
+        # to come while it is down.
+        done = await _streams_done(load, self.turns_before)
+        pid = env.kill_service(env.writer)
+        say(f"killed the conversation writer (pid {pid}) at {load.now():.1f} s, {done} turns done")
+        await env.writer.wait(300)
+        say(f"the writer healthy again at {load.now():.1f} s")
+
+
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     KillWorker(), RollWorkers(), AddWorker(), RestartBroker(), StopCassandra(), RestartRedis(), FinalizeCrash(),
-    TimeoutStorm(), KillGateway(), RollGateways(),
+    TimeoutStorm(), KillGateway(), RollGateways(), KillWriter(),
 )}

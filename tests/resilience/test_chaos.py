@@ -88,3 +88,9 @@ async def test_kill_a_vllm_worker_greedy_and_seeded_streams_continue_exactly(sta
                                                    port_base=PORT_BASE + 600)
     assert table.goals_met, table.as_json()
     assert table.completed == table.sent and table.spliced_streams == 0 and table.taken_over > 0
+
+
+async def test_kill_the_conversation_writer(stack: Settings) -> None:
+    table = await chaos(stack, "kill-writer")
+    # every stream completed, and each conversation holds its turn once (goals_met checks the items)
+    assert table.completed == table.sent and table.turns_checked == table.sent

@@ -88,6 +88,7 @@ async def cancel_response(response_id: str, request: Request, ctx: Context, key:
     return await ctx.responses.cancel(response_id, key, traceparent=child_of(request.headers.get("traceparent")))
 
 
-@router.delete("/v1/responses/{response_id}", responses=_READ, dependencies=[Depends(bearer)])
+@router.delete("/v1/responses/{response_id}", dependencies=[Depends(bearer)], responses={
+    **_READ, **error_responses({409: "The response is still being generated: cancel it (background) or wait."})})
 async def delete_response(response_id: str, ctx: Context, key: Caller) -> dict[str, Any]:
     return await ctx.responses.delete(response_id, key)
