@@ -76,7 +76,7 @@ class Finished:
     traceparent: str | None
     last_delivery: Delivery | None
     committed: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    #: the completion to store (its client asked: ``store: true``), written in the same transaction as the final
+    #: the completion to record (``store: true``, or a turn), written in the same transaction as the final
     stored: StoredCompletion | None = None
 
     def without_text(self, reason: str) -> Finished:
@@ -92,9 +92,14 @@ class Finished:
         if record is not None:
             record = record.model_copy(update={"completion_tokens": record.completion_tokens - dropped,
                                                "finish_reason": "error"})
-        # Not stored either: what made the final unwritable (its size, usually) would refuse the stored copy too.
+        # Recorded without its text (what made the final unwritable, its size usually, would refuse a copy with
+        # it): a turn's end must still be known (its response row, its conversation's next turn, its held slot).
+        stored = self.stored and self.stored.model_copy(update={
+            "text": "", "finish_reason": "error", "error": reason,
+            "usage": self.stored.usage.model_copy(update={"completion_tokens": self.stored.usage.completion_tokens
+                                                                              - dropped})})
         return Finished(final, record, self.reply_partition, self.source, self.offset, self.traceparent, None,
-                        self.committed)
+                        self.committed, stored=stored)
 
 
 _STOP = object()

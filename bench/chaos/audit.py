@@ -176,31 +176,39 @@ async def _turns(table: Table, streams: list[Stream], base_url: str, api_key: st
     failed turn is not appended). The writer catches up after its restart: wait for it, within ``wait_s``."""
     import httpx
 
-    expected = {s.conversation_id: ([s.prompt, s.text] if s.completed else []) for s in streams if s.conversation_id}
+    # An answered turn is appended: finished, or cut by the output filter after some text
+    expected = {s.conversation_id: ([s.prompt, s.text] if s.completed or (s.finish_reason == "content_filter"
+                                                                         and s.text) else [])
+                for s in streams if s.conversation_id}
     wrong: dict[str, str] = {}
     deadline = time.monotonic() + wait_s
     async with httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {api_key}"},
                                  timeout=30) as client:
+
+        async def items(conversation_id: str) -> list[str] | None:
+            answer = await client.get(f"/conversations/{conversation_id}/items", params={"order": "asc", "limit": 100})
+            if answer.status_code != 200:
+                return None  # unreadable right now (a 503): read again
+            return ["".join(p["text"] for p in item["content"]) for item in answer.json()["data"]]
+
         pending = dict(expected)
         while pending:
             for conversation_id, want in list(pending.items()):
-                page = (await client.get(f"/conversations/{conversation_id}/items",
-                                         params={"order": "asc", "limit": 100})).json()
-                got = ["".join(p["text"] for p in item["content"]) for item in page["data"]]
+                got = await items(conversation_id)
                 if got == want:
                     pending.pop(conversation_id)
                     wrong.pop(conversation_id, None)
                 else:
-                    wrong[conversation_id] = f"{len(got)} items, {len(want)} expected"
+                    wrong[conversation_id] = "unreadable" if got is None else f"{len(got)} items, {len(want)} expected"
             if not pending or time.monotonic() > deadline:
                 break
             await asyncio.sleep(1.0)
         await asyncio.sleep(2.0)  # a late redelivery would add copies now: read every conversation once more
         for conversation_id, want in expected.items():
-            page = (await client.get(f"/conversations/{conversation_id}/items",
-                                     params={"order": "asc", "limit": 100})).json()
-            if ["".join(p["text"] for p in item["content"]) for item in page["data"]] != want:
-                wrong.setdefault(conversation_id, f"{len(page['data'])} items, {len(want)} expected")
+            got = await items(conversation_id)
+            if got != want:
+                wrong.setdefault(conversation_id, "unreadable" if got is None else f"{len(got)} items, "
+                                                                                  f"{len(want)} expected")
     table.turns_checked = len(expected)
     table.turns_misrecorded = len(wrong)
     table.notes += [f"conversation {c}: {why}" for c, why in list(wrong.items())[:5]]

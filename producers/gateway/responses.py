@@ -129,7 +129,7 @@ class ResponsesService:
         while time.monotonic() < deadline:
             await asyncio.sleep(HOLD_POLL_S)
             try:
-                stored = await self._responses.get(response_id, ticket.org_id)
+                stored = await self._responses.ended(response_id)  # a row deleted since still says it ended
             except STORE_ERRORS:
                 continue
             if stored is not None:
@@ -161,8 +161,9 @@ class ResponsesService:
                     outcome = "handed_over"
                     GATEWAY_HANDOVERS.inc()
                     raise HandedOver(accepted.request_id)
-                if accepted.background and delta.error_code == ErrorCode.STREAM_TIMEOUT and not delta.from_worker:
-                    # The gateway gave up waiting, not the generation: it goes on, and its client polls or resumes.
+                if accepted.background and delta.finished and not delta.from_worker:
+                    # This gateway gave up on the stream (a timeout, an event it cannot read), not the generation:
+                    # it goes on, and its client polls or resumes it.
                     outcome = "detached"
                     return
                 if delta.text:
@@ -180,7 +181,7 @@ class ResponsesService:
                                  completed_at=int(time.time()) if status == "completed" else None)
                 return
         finally:
-            if accepted.background and outcome in ("cancelled", "detached"):
+            if accepted.background and outcome in ("cancelled", "detached", "handed_over"):
                 self._detach(accepted, view, stream=True)  # the client left a background response: it goes on
             else:
                 self._chat.close(accepted, outcome, stream=True)
@@ -284,8 +285,10 @@ class ResponsesService:
     async def _in_progress(self, response_id: str, key: ApiKey) -> bool:
         try:
             await self._running(response_id, key)
-        except ApiError:
-            return False
+        except ApiError as exc:
+            if exc.status == 404:
+                return False
+            raise  # the stream registry is down: 503, not "not found"
         return True
 
     async def _await_row(self, response_id: str, key: ApiKey) -> StoredResponse | None:

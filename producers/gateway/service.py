@@ -265,6 +265,9 @@ class ChatService:
         try:
             await self._streams.record(record)
         except STREAM_STORE_ERRORS as exc:
+            if request.background:
+                # Its record is a background response's only handle while it runs (read, resume, cancel)
+                raise unavailable("The stream registry is unavailable; retry the request.") from exc
             # The request is served all the same; only a resume elsewhere will not find it.
             log.warning("stream record not written; the stream cannot be resumed elsewhere",
                         extra={"request_id": record.request_id, "reason": repr(exc)})

@@ -34,6 +34,7 @@ from schemas.events import ChatMessage, ChatRequest, Turn
 from schemas.ids import output_item_id
 from stream_processors.store.conversations import ConversationStore, Item
 from stream_processors.store.responses import ResponseStore, StoredResponse
+from stream_processors.store.turns import answered
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +42,6 @@ log = logging.getLogger(__name__)
 POLL_S = 0.1
 #: how long a conversation's last accepted turn is remembered (longer than any turn waits for it)
 LAST_TURN_TTL_S = 600
-#: statuses of a response whose turn is part of the history that follows it
-ANSWERED = ("completed", "incomplete")
 
 
 @dataclass(frozen=True)
@@ -149,7 +148,7 @@ class TurnPlanner:
     async def _ended_unanswered(self, response_id: str, org_id: str) -> bool:
         """A Responses turn whose row says it ended without an answer to append (a chat turn has no row)."""
         stored = await self._responses.get(response_id, org_id)
-        return stored is not None and stored.status not in ANSWERED
+        return stored is not None and not answered(stored.status, stored.output_text)
 
     async def _chain(self, response_id: str, org_id: str) -> list[ChatMessage]:
         """The turns of ``response_id`` and of the responses before it, oldest first, at most the history bound."""
@@ -162,7 +161,7 @@ class TurnPlanner:
             links += 1
             if stored is None:
                 break  # an older link expired or was deleted: the history starts after it
-            if stored.status == "completed" or (stored.status == "incomplete" and stored.output_text):
+            if answered(stored.status, stored.output_text):
                 turn = [ChatMessage(role=i["role"], content=i["content"]) for i in stored.input_items]
                 turn.append(ChatMessage(role="assistant", content=stored.output_text))
                 turns.append(turn)

@@ -93,6 +93,11 @@ class ResponseStore:
             return None
         return _response(rows[0])
 
+    async def ended(self, response_id: str) -> StoredResponse | None:
+        """A response's row whether or not it was deleted since (how it ended: what its admission settles)."""
+        rows = await execute(self._session, self._get, [response_id])
+        return _response(rows[0]) if rows else None
+
     async def delete(self, response_id: str, org_id: str) -> bool:
         """False when :meth:`get` would be None (or a concurrent delete won)."""
         result = await execute(self._session, self._delete, [datetime.now(UTC), response_id, org_id])

@@ -29,14 +29,14 @@ def status_of(stored: StoredCompletion) -> tuple[str, str | None]:
     return STATUS[stored.finish_reason]
 
 
-def answered(stored: StoredCompletion) -> bool:
-    status, _ = status_of(stored)
-    return status == "completed" or (status == "incomplete" and bool(stored.text))
+def answered(status: str, text: str) -> bool:
+    """Whether a turn that ended so is part of its conversation (and of the history after it)."""
+    return status == "completed" or (status == "incomplete" and bool(text))
 
 
 def items_of(stored: StoredCompletion) -> tuple[list[Item], Item] | None:
     """The turn's input items and its answer, for its conversation; None when nothing is appended."""
-    if stored.conversation_id is None or stored.turn is None or not answered(stored):
+    if stored.conversation_id is None or stored.turn is None or not answered(status_of(stored)[0], stored.text):
         return None
     at, request_id = stored.created_at, stored.completion_id
     inputs = [Item(input_item_id(request_id, i), m.role, m.content, at, i, request_id)

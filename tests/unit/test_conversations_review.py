@@ -61,6 +61,7 @@ class Responses:
 
     def __init__(self, rows: list[StoredResponse] | None = None) -> None:
         self.rows = {r.response_id: r for r in rows or []}
+        self.gone: dict[str, StoredResponse] = {}
         self.reads = 0
         self.deleted: list[str] = []
 
@@ -69,11 +70,15 @@ class Responses:
         row = self.rows.get(response_id)
         return row if row is not None and row.org_id == org_id else None
 
+    async def ended(self, response_id: str) -> StoredResponse | None:
+        return self.rows.get(response_id) or self.gone.get(response_id)
+
     async def delete(self, response_id: str, org_id: str) -> bool:
         row = self.rows.pop(response_id, None)
         if row is None or row.org_id != org_id:
             return False
         self.deleted.append(response_id)
+        self.gone[response_id] = row
         return True
 
 
