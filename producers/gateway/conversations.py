@@ -7,8 +7,9 @@ id is answered as unknown (404), as is a deleted one, at once.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from datetime import UTC
-from typing import Any
+from typing import Any, TypeVar
 
 from producers.gateway.errors import ApiError, unavailable
 from producers.gateway.responses_protocol import ConversationCreate
@@ -24,10 +25,15 @@ def item_not_found(item_id: str) -> ApiError:
     return ApiError(404, f"Item with id '{item_id}' not found.", param="item_id", code="not_found")
 
 
-def _unavailable(exc: BaseException) -> ApiError:
-    error = unavailable("Conversations are unavailable right now; retry later.")
-    error.__cause__ = exc
-    return error
+T = TypeVar("T")
+
+
+async def _stored(reading: Awaitable[T]) -> T:
+    """What the store answers; a store that cannot answer is the client's 503, never a 500."""
+    try:
+        return await reading
+    except STORE_ERRORS as exc:
+        raise unavailable("Conversations are unavailable right now; retry later.") from exc
 
 
 class ConversationService:
@@ -40,10 +46,7 @@ class ConversationService:
         conversation = Conversation(conversation_id, key.org_id, at, body.metadata or {})
         items = [Item(input_item_id(conversation_id, i), m.role, m.text(), at, i)
                  for i, m in enumerate(body.items or [])]
-        try:
-            await self._store.create(conversation, items)
-        except STORE_ERRORS as exc:
-            raise _unavailable(exc) from exc
+        await _stored(self._store.create(conversation, items))
         return conversation_object(conversation)
 
     async def get(self, conversation_id: str, key: ApiKey) -> dict[str, Any]:
@@ -51,32 +54,24 @@ class ConversationService:
 
     async def update(self, conversation_id: str, metadata: dict[str, str], key: ApiKey) -> dict[str, Any]:
         self._check(conversation_id)
-        try:
-            updated = await self._store.update_metadata(conversation_id, key.org_id, metadata)
-        except STORE_ERRORS as exc:
-            raise _unavailable(exc) from exc
+        updated = await _stored(self._store.update_metadata(conversation_id, key.org_id, metadata))
         if updated is None:
             raise conversation_not_found(conversation_id, "conversation_id")
         return conversation_object(updated)
 
     async def delete(self, conversation_id: str, key: ApiKey) -> dict[str, Any]:
         self._check(conversation_id)
-        try:
-            deleted = await self._store.delete(conversation_id, key.org_id)
-        except STORE_ERRORS as exc:
-            raise _unavailable(exc) from exc
+        deleted = await _stored(self._store.delete(conversation_id, key.org_id))
         if not deleted:
             raise conversation_not_found(conversation_id, "conversation_id")
         return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
 
     async def list(self, key: ApiKey, *, after: str | None, limit: int) -> dict[str, Any]:
         try:
-            page = await self._store.list_owned(key.org_id, after=after, limit=limit)
+            page = await _stored(self._store.list_owned(key.org_id, after=after, limit=limit))
         except KeyError as exc:
             raise ApiError(404, f"No conversation with id '{after}' to list after.", param="after",
                            code="not_found") from exc
-        except STORE_ERRORS as exc:
-            raise _unavailable(exc) from exc
         return list_page([conversation_object(c) for c in page.items], page.has_more)
 
     async def items(self, conversation_id: str, key: ApiKey, *, after: str | None, limit: int,
@@ -85,35 +80,27 @@ class ConversationService:
         if after is not None and not plausible(after, ITEM_PREFIX):
             raise item_not_found(after)
         try:
-            page = await self._store.items(conversation_id, key.org_id, after=after, limit=limit,
-                                           ascending=ascending)
+            page = await _stored(self._store.items(conversation_id, key.org_id, after=after, limit=limit,
+                                                   ascending=ascending))
         except ConversationNotFound as exc:
             raise conversation_not_found(conversation_id, "conversation_id") from exc
         except KeyError as exc:
             raise ApiError(404, f"No item with id '{after}' in this conversation.", param="after",
                            code="not_found") from exc
-        except STORE_ERRORS as exc:
-            raise _unavailable(exc) from exc
         return list_page([item_object(i) for i in page.items], page.has_more)
 
     async def item(self, conversation_id: str, item_id: str, key: ApiKey) -> dict[str, Any]:
         await self._conversation(conversation_id, key)
         if not plausible(item_id, ITEM_PREFIX):
             raise item_not_found(item_id)
-        try:
-            found = await self._store.get_item(conversation_id, key.org_id, item_id)
-        except STORE_ERRORS as exc:
-            raise _unavailable(exc) from exc
+        found = await _stored(self._store.get_item(conversation_id, key.org_id, item_id))
         if found is None:
             raise item_not_found(item_id)
         return item_object(found)
 
     async def _conversation(self, conversation_id: str, key: ApiKey) -> Conversation:
         self._check(conversation_id)
-        try:
-            found = await self._store.get(conversation_id, key.org_id)
-        except STORE_ERRORS as exc:
-            raise _unavailable(exc) from exc
+        found = await _stored(self._store.get(conversation_id, key.org_id))
         if found is None:
             raise conversation_not_found(conversation_id, "conversation_id")
         return found

@@ -11,13 +11,13 @@ and skips what is missing or deleted.
 from __future__ import annotations
 
 import asyncio
+import functools
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import orjson
 from cassandra.cluster import Session
-from cassandra.query import PreparedStatement
 
 from runtime.cassandra_client import execute
 from runtime.cassandra_client import prepare as prepare_at_quorum
@@ -56,9 +56,7 @@ class CompletionStore:
         self._session = session
         ks = keyspace
 
-        def prepare(query: str) -> PreparedStatement:
-            return prepare_at_quorum(session, query)
-
+        prepare = functools.partial(prepare_at_quorum, session)
         self._insert = prepare(f"INSERT INTO {ks}.stored_completions ({', '.join(_COLUMNS)}) "
                                f"VALUES ({', '.join('?' * len(_COLUMNS))}) IF NOT EXISTS USING TTL {RETENTION_S}")
         self._index = prepare(f"INSERT INTO {ks}.stored_completions_by_org (org_id, month, created_at, "

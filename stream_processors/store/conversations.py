@@ -30,8 +30,9 @@ PURGE_AFTER_S = 30 * 24 * 3600
 #: how many days before the purge cutoff the purge looks for deletions: a purge job stopped for longer than this
 #: leaves the deletions older than that unpurged (still unreadable)
 PURGE_LOOKBACK_DAYS = 400
-#: the most items one turn adds (the API refuses more); the store writes a larger append in slices of this many
-MAX_ITEMS_PER_TURN = 64
+#: an append writes its items in slices of this many: one call's concurrent writes stay bounded however many items a
+#: turn adds (the API takes up to 256 input items per response, 20 per conversation created)
+APPEND_SLICE = 64
 
 Row = dict[str, Any]
 T = TypeVar("T")
@@ -208,9 +209,8 @@ class ConversationStore:
         if row is None or row["deleted_at"] is not None:
             return
         months = set(row["months"] or ())
-        # Slices bound one call's concurrent writes; a writer must not die on a turn larger than the API allows.
-        for start in range(0, len(items), MAX_ITEMS_PER_TURN):
-            if not await self._append(conversation_id, row["org_id"], items[start:start + MAX_ITEMS_PER_TURN],
+        for start in range(0, len(items), APPEND_SLICE):
+            if not await self._append(conversation_id, row["org_id"], items[start:start + APPEND_SLICE],
                                       months):
                 return
 

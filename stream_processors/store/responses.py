@@ -8,13 +8,13 @@ deleted response stays deleted. A delete marks the row (``deleted_at``): reads a
 from __future__ import annotations
 
 import asyncio
+import functools
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 import orjson
 from cassandra.cluster import Session
-from cassandra.query import PreparedStatement
 
 from runtime.cassandra_client import execute
 from runtime.cassandra_client import prepare as prepare_at_quorum
@@ -66,9 +66,7 @@ class ResponseStore:
         self._session = session
         ks = keyspace
 
-        def prepare(query: str) -> PreparedStatement:
-            return prepare_at_quorum(session, query)
-
+        prepare = functools.partial(prepare_at_quorum, session)
         self._insert = prepare(f"INSERT INTO {ks}.stored_responses ({', '.join(_COLUMNS)}) "
                                f"VALUES ({', '.join('?' * len(_COLUMNS))}) IF NOT EXISTS USING TTL {RETENTION_S}")
         self._get = prepare(f"SELECT {', '.join(_COLUMNS)}, deleted_at FROM {ks}.stored_responses "

@@ -19,7 +19,7 @@ from ops.cli import app as kns
 from runtime.cassandra_client import connect_async, execute
 from runtime.settings import Settings
 from stream_processors.store.conversations import (
-    MAX_ITEMS_PER_TURN,
+    APPEND_SLICE,
     Conversation,
     ConversationNotFound,
     ConversationStore,
@@ -130,7 +130,7 @@ async def test_append_is_idempotent_and_keeps_first_position(store: Conversation
 
 async def test_a_large_turn_is_written_whole(store: ConversationStore) -> None:
     conv = conversation(uid("org"))
-    many = [str(n) for n in range(2 * MAX_ITEMS_PER_TURN + 1)]
+    many = [str(n) for n in range(2 * APPEND_SLICE + 1)]
     await store.create(conv, turn(conv.created_at, "first"))
     await store.append(conv.conversation_id, turn(conv.created_at + timedelta(seconds=1), *many))
     assert texts(await store.history(conv.conversation_id, max_items=len(many))) == many

@@ -34,9 +34,7 @@ from schemas.events import (
 )
 from stream_processors.safety.policy import refusal
 from stream_processors.store.turns import response_of
-from tests.fakes.gateway import chat_service
-from tests.fakes.tenancy import api_key, local_admission
-from tests.unit.test_conversations_review import (
+from tests.fakes.conversations import (
     Publisher,
     Redis,
     Relay,
@@ -50,6 +48,8 @@ from tests.unit.test_conversations_review import (
     token,
     view,
 )
+from tests.fakes.gateway import chat_service
+from tests.fakes.tenancy import api_key, local_admission
 
 BACKGROUND = {"model": "m", "input": "hi", "background": True, "max_output_tokens": 16}
 
