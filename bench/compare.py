@@ -86,6 +86,8 @@ def referee(side: Side, settings: Settings, concurrency: int, shape: Shape) -> d
                "--custom-output-len", "-1", "--num-prompts", str(shape.requests),
                "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", str(shape.seed), "--disable-tqdm",
                "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+               # its parser takes each event for one data line: our streams without their resume ids
+               "--header", "kns-event-ids=off",
                "--save-result", "--result-dir", tmp, "--result-filename", "result.json"]
         env = {**os.environ, "OPENAI_API_KEY": side.api_key}
         done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1800)

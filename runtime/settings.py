@@ -163,6 +163,10 @@ class GatewaySettings(BaseModel):
     # A stream can be resumed on any gateway (Last-Event-ID, starting_after) for this long after it was accepted;
     # later, or for an unknown or another org's id, the answer is 404. Its tokens stay on the token topic (a day).
     resume_ttl_s: float = 900.0
+    # Chat-completion stream events carry their ``id:`` line (the Last-Event-ID a client resumes with). Off: OpenAI's
+    # exact bytes, for SSE parsers that read each event as one ``data:`` line (vLLM's benchmark client); a request
+    # chooses for itself with the ``kns-event-ids: on|off`` header.
+    sse_event_ids: bool = True
     # A conversation's next turn waits this long at most for its previous turn to be written (its items are the
     # next turn's history); past it, the turn goes on with the history written so far.
     turn_wait_s: float = 10.0

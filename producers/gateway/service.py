@@ -376,11 +376,12 @@ class ChatService:
                 accepted.used_tokens = delta.usage.prompt_tokens + delta.usage.completion_tokens
         return delta
 
-    async def stream(self, accepted: Accepted) -> AsyncIterator[bytes]:
-        """SSE bytes for one request. Closing this iterator early (client gone) cancels the generation; a gateway
-        that stops hands the stream over instead (:class:`HandedOver`)."""
+    async def stream(self, accepted: Accepted, *, event_ids: bool = True) -> AsyncIterator[bytes]:
+        """SSE bytes for one request (``event_ids``: each event with its resume id). Closing this iterator early
+        (client gone) cancels the generation; a gateway that stops hands the stream over instead
+        (:class:`HandedOver`)."""
         fmt = ChunkFormatter(accepted.request_id, accepted.model, accepted.created,
-                             include_usage=accepted.include_usage)
+                             include_usage=accepted.include_usage, event_ids=event_ids)
         outcome = "cancelled"
         role_sent = accepted.has(0)
         try:

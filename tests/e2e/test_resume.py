@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import httpx
+import orjson
 import pytest
 
 from tests.conftest import GATEWAY_PORT, SESSION, Caller
@@ -215,3 +216,33 @@ async def test_a_stored_completion_is_fetched_by_id_after_its_gateway_died(doome
         got = await client.chat.completions.retrieve(found[0].id)  # type: ignore[attr-defined]
     assert got.choices[0].message.content == reference["choices"][0]["message"]["content"]
     assert got.choices[0].finish_reason == "length"
+
+
+async def test_a_stream_without_event_ids_is_read_by_a_one_data_line_parser_and_replays_with_ids(
+        gateway: ServiceProcess, caller: Caller) -> None:
+    """``kns-event-ids: off``: OpenAI's bytes (what vLLM's benchmark client can parse), and the stream is still
+    replayed, with ids, from its start."""
+    from vllm.benchmarks.lib.endpoint_request_func import StreamedResponseHandler
+
+    small = {**BODY, "max_tokens": 12}
+    url = f"http://127.0.0.1:{GATEWAY_PORT}/v1/chat/completions"
+    auth = {"Authorization": f"Bearer {caller.secret}"}
+    async with httpx.AsyncClient(timeout=120) as http:
+        async with http.stream("POST", url, json=small, headers={**auth, "kns-event-ids": "off"}) as response:
+            assert response.status_code == 200
+            raw = await response.aread()
+        async with http.stream("POST", url, json=small, headers=auth) as response:
+            with_ids = await read(response, Received())
+        bad = await http.post(url, json=small, headers={**auth, "kns-event-ids": "sometimes"})
+        request_id = orjson.loads(raw.split(b"\n", 1)[0][6:])["id"]
+        async with http.stream("GET", f"{url}/{request_id}", params={"stream": "true"}, headers=auth) as response:
+            replay = await read(response, Received())
+    assert b"\nid: " not in raw and not raw.startswith(b"id: ")
+    handler = StreamedResponseHandler()
+    messages = [m.removeprefix("data: ") for m in handler.add_chunk(raw)]
+    assert messages[-1] == "[DONE]"
+    chunks = [orjson.loads(m) for m in messages[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == with_ids.text and text  # temperature 0: the same answer
+    assert replay.text == text and replay.done and replay.ids[0] == f"{request_id}:0"
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "kns-event-ids"

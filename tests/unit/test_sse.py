@@ -45,3 +45,22 @@ def test_a_content_chunk_is_exactly_what_the_dict_would_encode_to() -> None:
         fmt = ChunkFormatter("chatcmpl-q\"uote", 'm "x"', 1700000000, include_usage=include_usage)
         for text, position in ((" Paris", 1), ('"\\\n\t', 22), ("é✓😀 \u2028", 333), ("", 4)):
             assert fmt.content(text, position) == fmt._event({"content": text}, None, position)
+
+
+def test_without_event_ids_each_event_is_one_data_line_as_openai_sends_it() -> None:
+    """What a parser that takes each event for one ``data:`` line (vLLM's benchmark client) reads."""
+    with_ids = ChunkFormatter("chatcmpl-x", "m", 1700000000, include_usage=True)
+    plain = ChunkFormatter("chatcmpl-x", "m", 1700000000, include_usage=True, event_ids=False)
+    events = [(plain.role(), with_ids.role()), (plain.content(" Paris", 1), with_ids.content(" Paris", 1)),
+              (plain.finish("stop", 2), with_ids.finish("stop", 2)),
+              (plain.usage(usage_dict(3, 2, 1), 3), with_ids.usage(usage_dict(3, 2, 1), 3))]
+    for bare, identified in events:
+        assert bare.startswith(b"data: ") and bare.endswith(b"\n\n") and bare.count(b"\n") == 2
+        assert identified.endswith(bare) and parse(identified) == orjson.loads(bare[6:-2])
+
+
+def test_a_content_chunk_without_ids_is_exactly_what_the_dict_would_encode_to() -> None:
+    for include_usage in (True, False):
+        fmt = ChunkFormatter("chatcmpl-q\"uote", 'm "x"', 1700000000, include_usage=include_usage, event_ids=False)
+        for text, position in ((" Paris", 1), ('"\\\n\t', 22), ("é✓😀 \u2028", 333), ("", 4)):
+            assert fmt.content(text, position) == fmt._event({"content": text}, None, position)

@@ -47,14 +47,30 @@ bearer = HTTPBearer(auto_error=False, description="An API key (`kns keys create`
 
 #: What ``/openapi.json`` says this route reads and answers. The body is parsed by :func:`parse_body` (raw bytes,
 #: our error shape), so FastAPI only documents the schema, it never validates with it.
-OPENAPI_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": chat_request_schema()}}}}
+#: Whether a stream's events carry their ``id:`` (the resume position); the gateway's ``sse_event_ids`` when absent
+EVENT_IDS_HEADER = "kns-event-ids"
+_SWITCH = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}
+OPENAPI_BODY = {
+    "requestBody": {"required": True, "content": {"application/json": {"schema": chat_request_schema()}}},
+    "parameters": [{
+        "name": EVENT_IDS_HEADER, "in": "header", "required": False,
+        "schema": {"type": "string", "enum": sorted(_SWITCH)},
+        "description": "`off`: stream events without their `id:` line (OpenAI's exact bytes, for SSE parsers that "
+                       "read one `data:` line per event; such a stream can only be resumed from its start). "
+                       "Default: the gateway's `sse_event_ids` (on).",
+    }],
+}
 #: One server-sent event of a stream (OpenAPI 3.1 describes each event): a chunk, an error in OpenAI's shape when
 #: the generation fails midway, then ``[DONE]``.
-STREAM_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"anyOf": [
-    {"const": "[DONE]"},
-    {"type": "string", "contentMediaType": "application/json",
-     "contentSchema": {"anyOf": [openapi_schema(ChatCompletionChunk), openapi_schema(ErrorResponse)]}},
-]}}}
+STREAM_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "id": {"type": "string", "description": "`<completion id>:<position>`, the `Last-Event-ID` to resume after "
+                                            "this event (absent on `[DONE]`, and with `kns-event-ids: off`)."},
+    "data": {"anyOf": [
+        {"const": "[DONE]"},
+        {"type": "string", "contentMediaType": "application/json",
+         "contentSchema": {"anyOf": [openapi_schema(ChatCompletionChunk), openapi_schema(ErrorResponse)]}},
+    ]},
+}}
 #: OpenAI's rate-limit headers, on every answer of an admitted request and on its 429
 RATE_HEADERS = {name: {"description": text, "schema": {"type": "string"}} for name, text in (
     ("x-ratelimit-limit-requests", "Requests per minute allowed (the tighter of the key's and its org's)."),
@@ -139,6 +155,7 @@ async def chat_completions(request: Request, ctx: Context, key: Caller) -> Respo
         request_id, position = _last_event(last_event_id)
         return await _resume(request, ctx, key, request_id, position)
     body = parse_body(await request.body())
+    event_ids = body.stream and _event_ids(request, ctx.settings.gateway.sse_event_ids)  # checked before admission
     traceparent = child_of(request.headers.get("traceparent"))
     accepted = await ctx.chat.accept(
         body, key, client_addr=request.client.host if request.client else None, traceparent=traceparent
@@ -146,7 +163,7 @@ async def chat_completions(request: Request, ctx: Context, key: Caller) -> Respo
     headers = {"x-request-id": accepted.request_id, "traceparent": traceparent,
                **(accepted.ticket.headers() if accepted.ticket else {})}
     if body.stream:
-        return StreamingResponse(ctx.chat.stream(accepted), media_type="text/event-stream",
+        return StreamingResponse(ctx.chat.stream(accepted, event_ids=event_ids), media_type="text/event-stream",
                                  headers={**headers, "cache-control": "no-cache"})
     # Non-streaming: a client that hangs up must still cancel the generation.
     try:
@@ -157,6 +174,17 @@ async def chat_completions(request: Request, ctx: Context, key: Caller) -> Respo
     if result is None:
         return Response(status_code=499)
     return JSONResponse(result, headers=headers)
+
+
+def _event_ids(request: Request, default: bool) -> bool:
+    value = request.headers.get(EVENT_IDS_HEADER)
+    if value is None:
+        return default
+    switch = _SWITCH.get(value.strip().lower())
+    if switch is None:
+        raise bad_request(f"The {EVENT_IDS_HEADER} header must be 'on' or 'off', not '{value[:50]}'.",
+                          param=EVENT_IDS_HEADER, code="invalid_header")
+    return switch
 
 
 def _last_event(value: str) -> tuple[str, int]:
