@@ -243,6 +243,8 @@ def relay(
     held_tokens: int = typer.Option(60, help="C: tokens per held stream."),
     held_rate: float = typer.Option(1.0, help="C: tokens per second per held stream."),
     ramp_s: float = typer.Option(60.0, help="C: the held streams start evenly over this long."),
+    held_workers: int = typer.Option(1, help="C: synthetic workers (each an engine stepping on a phase of its own, "
+                                             "as a fleet's engines do)."),
 ) -> None:
     """Relay capacity: A. demultiplexer events/s; B. concurrent SSE streams before TTFT/ITL p99 degrade;
     C. idle-heavy streams held open at once."""
@@ -270,7 +272,7 @@ def relay(
             runs.append(uvloop.run(stream_capacity(
                 settings, [held], held_tokens, held_rate, ttft_limit_ms / 1000, 2 / held_rate,
                 lambda m: console.print(f"[dim]•[/dim] {m} (idle-heavy, started over {ramp_s:g} s)"),
-                ramp_s=ramp_s, gateway_processes=gateway_processes, placement=placement)))
+                ramp_s=ramp_s, gateway_processes=gateway_processes, placement=placement, workers=held_workers)))
             result["held"] = runs[-1]
         result["stream_runs"] = runs
         table = Table(title=f"SSE streams through {gateway_processes} gateway process(es)")

@@ -14,7 +14,7 @@ import sys
 
 from inference_workers.engine import VllmEngine
 from inference_workers.protocol import EngineClient, EngineDeadError
-from inference_workers.synthetic import SyntheticEngine
+from inference_workers.synthetic import SyntheticEngine, engine_phase
 from inference_workers.worker import Worker
 from runtime.logs import configure_logging
 from runtime.reaper import start_reaper
@@ -28,7 +28,7 @@ async def serve(settings: Settings) -> None:
     # Blocking on purpose: nothing else runs before the engine is up (health answers only after).
     engine: EngineClient
     if settings.engine.kind == "synthetic":
-        engine = SyntheticEngine(settings.engine)
+        engine = SyntheticEngine(settings.engine, phase=engine_phase(settings.worker.instance_id))
     else:
         engine = VllmEngine.start(settings.model, settings.engine)
     worker = Worker(settings, engine)

@@ -4,7 +4,9 @@ Like a batching engine, it steps every running request at once: all of a step's 
 fixed clock, which is what the worker's token records are shaped by. A new request's first token comes at the next
 *prefill* step, on a clock of its own (every ``PREFILL_S`` at most): as a real engine schedules a new request's
 prefill at its next step whatever the decode rate per request, so that a slow rate (idle-heavy streams) does not
-make the time to first token a whole decode interval.
+make the time to first token a whole decode interval. Engines of a fleet do not step together: each synthetic
+engine's clocks have a phase of their own (its worker's, ``engine_phase``), so N workers spread their steps over the
+interval as N real engines would, instead of every worker's step landing on the relay at the same instant.
 
 For measuring everything around the engine (Kafka, the worker's emitter, the gateway's relay) at loads no real
 engine on this machine could produce, and for checking streams token by token under faults (``kns chaos``):
@@ -55,11 +57,18 @@ def expected_completion(prompt: Sequence[int], sampling: SamplingSpec) -> tuple[
     return ids, "".join(token_text(t) for t in ids)
 
 
-class StepClock:
-    """The engine's steps: every waiting request is woken by the same tick, on a fixed grid of ``interval``."""
+def engine_phase(instance_id: str) -> float:
+    """Where in its step interval a worker's engine steps, as a fraction of it: fixed per worker instance."""
+    return zlib.crc32(instance_id.encode()) / 2**32
 
-    def __init__(self, interval: float) -> None:
+
+class StepClock:
+    """The engine's steps: every waiting request is woken by the same tick, on a fixed grid of ``interval``
+    shifted by ``phase`` (a fraction of the interval)."""
+
+    def __init__(self, interval: float, phase: float = 0.0) -> None:
         self._interval = interval
+        self._offset = (phase % 1.0) * interval
         #: a future per request waiting for the next tick (a request cancelled mid-wait cancels only its own, which
         #: a shared future under ``asyncio.shield`` also ensured, at twice the cost per waiter)
         self._waiters: list[asyncio.Future[None]] | None = None
@@ -68,7 +77,7 @@ class StepClock:
     async def next(self) -> None:
         loop = asyncio.get_running_loop()
         if self._waiters is None:
-            at = (math.floor(loop.time() / self._interval) + 1) * self._interval
+            at = (math.floor((loop.time() - self._offset) / self._interval) + 1) * self._interval + self._offset
             # A timer may fire a hair early: never schedule the tick that just fired again.
             at = max(at, self._last + self._interval)
             self._last = at
@@ -86,11 +95,11 @@ class StepClock:
 
 
 class SyntheticEngine:
-    def __init__(self, settings: EngineSettings) -> None:
+    def __init__(self, settings: EngineSettings, *, phase: float = 0.0) -> None:
         self._interval = 1.0 / settings.synthetic_tokens_per_s
         self._max_num_seqs = settings.synthetic_max_seqs
-        self._steps = StepClock(self._interval)
-        self._prefills = StepClock(min(self._interval, PREFILL_S))
+        self._steps = StepClock(self._interval, phase)
+        self._prefills = StepClock(min(self._interval, PREFILL_S), phase)
 
     @property
     def max_num_seqs(self) -> int:

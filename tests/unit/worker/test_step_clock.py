@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from inference_workers.synthetic import StepClock
+from inference_workers.synthetic import StepClock, engine_phase
 
 
 async def test_one_tick_wakes_every_waiter_and_a_cancelled_one_takes_nobody_with_it() -> None:
@@ -31,3 +31,21 @@ async def test_ticks_follow_one_another_on_the_grid() -> None:
         times.append(loop.time())
     gaps = [b - a for a, b in itertools.pairwise(times)]
     assert all(gap > 0.005 for gap in gaps)  # never the tick that just fired again
+
+
+async def test_a_phased_clock_ticks_on_its_own_grid() -> None:
+    """Two engines' clocks a quarter interval apart tick a quarter interval apart (a fleet does not step at once)."""
+    interval = 0.04
+    ticks = []
+    for phase in (0.0, 0.25):
+        clock = StepClock(interval, phase)
+        await clock.next()
+        await clock.next()
+        ticks.append(clock._last % interval / interval)  # the grid point it was scheduled for
+    assert abs((ticks[1] - ticks[0]) % 1.0 - 0.25) < 1e-6, ticks
+
+
+def test_engine_phases_differ_per_worker_and_stay_put() -> None:
+    phases = {engine_phase(f"relay-worker-ns-{i}") for i in range(8)}
+    assert len(phases) == 8 and all(0 <= p < 1 for p in phases)
+    assert engine_phase("w") == engine_phase("w")
