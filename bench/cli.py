@@ -295,6 +295,8 @@ def relay(
                 stages = "; ".join(f"{name} p50 ≤ {st['p50_le'] * 1000:g} ms, p99 ≤ {st['p99_le'] * 1000:g} ms"
                                    for name, st in lv.get("stages", {}).items())
                 console.print(f"    [dim]{stages}[/dim]")
+                tenths = ", ".join("-" if t is None else f"{t * 1000:.0f}" for t in lv.get("ttft_p99_s_by_tenth", []))
+                console.print(f"    [dim]TTFT p99 (ms) of each tenth of the streams, in start order: {tenths}[/dim]")
     console.print(f"[green]saved[/green] {save('relay', result)}")
 
 

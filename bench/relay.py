@@ -191,7 +191,7 @@ async def _level(n: int, tokens: int, rate: float, ramp_s: float, secret: str, m
     gaps = [max(r.itl) for r in run.results if r.ok and r.itl]
     return {"streams": n, "completed": s["completed"], "errors": s["errors"], "wall_s": s["wall_s"],
             "relayed_events_per_s": round(relayed / s["wall_s"]) if s["wall_s"] else None,
-            "ttft_s": s["ttft_s"], "itl_s": s["itl_s"],
+            "ttft_s": s["ttft_s"], "itl_s": s["itl_s"], "ttft_p99_s_by_tenth": _ttft_p99_by_tenth(run.results),
             "longest_gap_s": {"p50": _round(percentiles(gaps)["p50"]), "max": round(max(gaps), 3) if gaps else None,
                               "engine_gap_s": round(1 / rate, 3)},
             "gateway_cores_busy": round(gateway_cpu / s["wall_s"], 2) if s["wall_s"] else None,
@@ -200,6 +200,15 @@ async def _level(n: int, tokens: int, rate: float, ramp_s: float, secret: str, m
             "stages": quantiles(stages_before, stages_after),
             # how evenly the work queue's partitions spread the requests over the workers
             "tokens_per_worker": [round(b - a) for a, b in zip(tokens_before, tokens_after, strict=True)]}
+
+
+def _ttft_p99_by_tenth(results: list[RequestResult]) -> list[float | None]:
+    """TTFT p99 of each tenth of the streams, in the order they started: whether slow first tokens come with the
+    start, the ramp's end or throughout."""
+    ordered = sorted((r for r in results if r.ok and r.ttft is not None), key=lambda r: r.started_at)
+    tenth = max(len(ordered) // 10, 1)
+    return [_round(percentiles([r.ttft for r in ordered[i:i + tenth] if r.ttft is not None])["p99"])
+            for i in range(0, tenth * 10, tenth)] if ordered else []
 
 
 def _round(value: float | None) -> float | None:

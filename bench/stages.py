@@ -15,6 +15,7 @@ STAGES = (
     ("kns_kafka_hop_seconds", ("hop", "worker_to_relay"), "Kafka hop worker → relay"),
     ("kns_gateway_ttft_seconds", None, "gateway: received → first token sent"),
     ("kns_gateway_inter_token_seconds", None, "gateway: gap between chunks sent"),
+    ("kns_gc_pause_seconds", ("generation", "2"), "full GC pauses (gateway, workers)"),
 )
 
 Buckets = dict[str, dict[float, float]]

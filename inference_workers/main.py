@@ -16,6 +16,7 @@ from inference_workers.engine import VllmEngine
 from inference_workers.protocol import EngineClient, EngineDeadError
 from inference_workers.synthetic import SyntheticEngine, engine_phase
 from inference_workers.worker import Worker
+from runtime import gc_pauses
 from runtime.logs import configure_logging
 from runtime.reaper import start_reaper
 from runtime.settings import Settings, load_settings
@@ -32,6 +33,8 @@ async def serve(settings: Settings) -> None:
     else:
         engine = VllmEngine.start(settings.model, settings.engine)
     worker = Worker(settings, engine)
+    gc_pauses.watch()
+    gc_pauses.freeze_startup()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.stop_requested.set)

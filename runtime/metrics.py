@@ -12,6 +12,10 @@ _FAST = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0,
 _SLOW = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 
 # --- shared -------------------------------------------------------------------------------------------
+GC_PAUSE = Histogram(
+    "kns_gc_pause_seconds", "Pauses of Python's cyclic garbage collector (the event loop stands still meanwhile)",
+    ["generation"], buckets=_FAST,
+)
 DECODE_ERRORS = Counter("kns_decode_errors_total", "Records that no released schema decodes", ["topic"])
 KAFKA_HOP = Histogram(
     "kns_kafka_hop_seconds",

@@ -37,6 +37,7 @@ from producers.relay.claim import ReplyPartitionClaim
 from producers.relay.demux import Relay
 from producers.tenancy.admin import RegistryWriter, TenancyAdmin
 from producers.tenancy.view import TenancyView
+from runtime import gc_pauses
 from runtime.cassandra_client import connect_async
 from runtime.dead_letters import DeadLetters
 from runtime.kafka_clients import make_producer
@@ -57,6 +58,7 @@ log = logging.getLogger(__name__)
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
     kafka = settings.kafka
+    gc_pauses.watch()
     async with AsyncExitStack() as stack:
         cluster, session = await connect_async(settings.cassandra)
         stack.push_async_callback(asyncio.to_thread, cluster.shutdown)
@@ -126,6 +128,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
                                        ConversationService(conversation_store))
         log.info("gateway ready", extra={"instance": settings.gateway.instance_id, "gateway_id": claim.gateway_id,
                                          "reply_partition": reply_partition})
+        gc_pauses.freeze_startup()
         yield
 
 
