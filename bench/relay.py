@@ -206,9 +206,10 @@ def _ttft_p99_by_tenth(results: list[RequestResult]) -> list[float | None]:
     """TTFT p99 of each tenth of the streams, in the order they started: whether slow first tokens come with the
     start, the ramp's end or throughout."""
     ordered = sorted((r for r in results if r.ok and r.ttft is not None), key=lambda r: r.started_at)
-    tenth = max(len(ordered) // 10, 1)
-    return [_round(percentiles([r.ttft for r in ordered[i:i + tenth] if r.ttft is not None])["p99"])
-            for i in range(0, tenth * 10, tenth)] if ordered else []
+    n = len(ordered)
+    # cut at n * i // 10: every stream in one tenth (an empty tenth, fewer than ten streams: None)
+    return [_round(percentiles([r.ttft for r in ordered[n * i // 10:n * (i + 1) // 10] if r.ttft is not None])["p99"])
+            for i in range(10)] if ordered else []
 
 
 def _round(value: float | None) -> float | None:

@@ -13,20 +13,31 @@ import gc
 import time
 from typing import Any
 
+from prometheus_client import Histogram
+
 from runtime.metrics import GC_PAUSE
 
 _started: list[float] = [0.0]
+#: each generation's histogram child, resolved once: ``GC_PAUSE.labels`` takes the histogram's lock, which a
+#: scrape holds while it copies the children, and a collection may start on any allocation of that very thread
+#: (the callback would then wait forever on its own thread's lock)
+_pauses: dict[int, Histogram] = {}
 
 
 def _on_gc(phase: str, info: dict[str, Any]) -> None:
+    # a collection never starts while another runs (CPython skips it), so one start slot is enough
     if phase == "start":
         _started[0] = time.perf_counter()
     else:
-        GC_PAUSE.labels(str(info.get("generation", "?"))).observe(time.perf_counter() - _started[0])
+        pause = _pauses.get(info.get("generation", -1))
+        if pause is not None:
+            pause.observe(time.perf_counter() - _started[0])
 
 
 def watch() -> None:
     """Once per process."""
+    for generation in range(len(gc.get_threshold())):
+        _pauses.setdefault(generation, GC_PAUSE.labels(str(generation)))
     if _on_gc not in gc.callbacks:
         gc.callbacks.append(_on_gc)
 

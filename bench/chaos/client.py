@@ -116,7 +116,9 @@ async def run_stream(clients: list[httpx.AsyncClient], stream: Stream, api_key: 
 async def _connect(client: httpx.AsyncClient, stream: Stream, api_key: str, model: str, *, t0: float,
                    resuming: bool) -> bool:
     """One connection: the request, or its resume. True when the stream ended (finished or a final error)."""
-    headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
+    # Its resumes need the events' ids, whatever the gateway's default (gateway.sse_event_ids): without them a
+    # stream that broke midway would be taken for one that had no event yet, and replayed whole.
+    headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json", "kns-event-ids": "on"}
     method, url, content = "POST", "/chat/completions", body(stream, model)
     if resuming and stream.last_event_id is not None:
         headers["Last-Event-ID"] = stream.last_event_id

@@ -235,9 +235,11 @@ class ChaosEnv:
                     return int(child)
         raise RuntimeError(f"{proc.name} runs no service process right now")
 
-    async def mid_generation(self, proc: Proc, timeout_s: float = 30.0) -> list[dict[str, object]]:
+    async def mid_generation(self, proc: Proc, timeout_s: float = 30.0, *,
+                             at_least: float = 0.0) -> list[dict[str, object]]:
         """Waits until the worker streams a request it has started and not finished (what a SIGKILL must
-        then hand over), and returns what it runs; an empty list if that never happened within ``timeout_s``."""
+        then hand over), with at least ``at_least`` of its tokens out, and returns what it runs; an empty list if
+        that never happened within ``timeout_s``."""
         state = proc.health.removesuffix("/health") + "/state"
         deadline = time.monotonic() + timeout_s
         async with httpx.AsyncClient(timeout=2) as client:
@@ -245,7 +247,8 @@ class ChaosEnv:
                 with contextlib.suppress(httpx.HTTPError, ValueError):
                     jobs = (await client.get(state)).json().get("in_flight", [])
                     # some tokens already out (so the takeover shows in the token log), many still to come
-                    if any(3 <= int(j["tokens"]) <= int(j["max_tokens"]) - 5 for j in jobs):
+                    if any(max(3, at_least * int(j["max_tokens"])) <= int(j["tokens"]) <= int(j["max_tokens"]) - 5
+                           for j in jobs):
                         return list(jobs)
                 await asyncio.sleep(0.05)
         return []

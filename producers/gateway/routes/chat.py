@@ -155,7 +155,8 @@ async def chat_completions(request: Request, ctx: Context, key: Caller) -> Respo
         request_id, position = _last_event(last_event_id)
         return await _resume(request, ctx, key, request_id, position)
     body = parse_body(await request.body())
-    event_ids = body.stream and _event_ids(request, ctx.settings.gateway.sse_event_ids)  # checked before admission
+    # Checked on every request before admission (/openapi.json declares it on the operation); streams use it
+    event_ids = _event_ids(request)
     traceparent = child_of(request.headers.get("traceparent"))
     accepted = await ctx.chat.accept(
         body, key, client_addr=request.client.host if request.client else None, traceparent=traceparent
@@ -163,6 +164,8 @@ async def chat_completions(request: Request, ctx: Context, key: Caller) -> Respo
     headers = {"x-request-id": accepted.request_id, "traceparent": traceparent,
                **(accepted.ticket.headers() if accepted.ticket else {})}
     if body.stream:
+        if event_ids is None:
+            event_ids = ctx.settings.gateway.sse_event_ids
         return StreamingResponse(ctx.chat.stream(accepted, event_ids=event_ids), media_type="text/event-stream",
                                  headers={**headers, "cache-control": "no-cache"})
     # Non-streaming: a client that hangs up must still cancel the generation.
@@ -176,10 +179,11 @@ async def chat_completions(request: Request, ctx: Context, key: Caller) -> Respo
     return JSONResponse(result, headers=headers)
 
 
-def _event_ids(request: Request, default: bool) -> bool:
+def _event_ids(request: Request) -> bool | None:
+    """The ``kns-event-ids`` header's switch; None when it is absent (the gateway's default)."""
     value = request.headers.get(EVENT_IDS_HEADER)
     if value is None:
-        return default
+        return None
     switch = _SWITCH.get(value.strip().lower())
     if switch is None:
         raise bad_request(f"The {EVENT_IDS_HEADER} header must be 'on' or 'off', not '{value[:50]}'.",

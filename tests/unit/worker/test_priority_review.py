@@ -82,3 +82,25 @@ async def test_a_slow_end_offset_lookup_does_not_hold_up_fetching() -> None:
     clock.now += 1.0
     selected = await asyncio.wait_for(g.select(), 1.0)
     assert HIGH in selected
+
+
+async def test_a_slow_lookup_when_a_slot_frees_still_sees_a_high_request_that_arrived_while_the_engine_was_full(
+        ) -> None:
+    """Once in tests/e2e/test_priority.py: free requests queued behind a full engine took the freed slots
+    ahead of an enterprise request that had arrived before. While the engine is full only ``report_depth`` looks
+    the paused queues' ends up (every second, then); the lookup select() starts when a slot frees took longer than
+    LOOKUP_WAIT_S on the loaded broker, so the gate chose from ends a second old, without the high request."""
+    consumer = Consumer({HIGH: 0, LOW: 30}, {HIGH: 0, LOW: 10})
+    consumer.paused_now = {HIGH, LOW}
+    g = PriorityGate(consumer, CLASSES, RANKS, min_share=0.1, refresh_s=0.02, position=consumer.positions.get)
+    for _ in range(WINDOW):
+        g.admitted(LOW)
+    assert await g.select() == [LOW]  # the ends are known: only low waits; then the engine is full
+    reporting = asyncio.create_task(g.report_depth())
+    try:
+        consumer.lookup_delay_s = 0.08  # every lookup from now on: longer than select() waits for one
+        consumer.ends[HIGH] = 1  # an enterprise request arrives
+        await asyncio.sleep(0.4)  # a slot frees well after it arrived
+        assert await g.select() == [HIGH]
+    finally:
+        reporting.cancel()
