@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import orjson
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPBearer
 from pydantic import BaseModel, ValidationError
 
@@ -26,6 +26,7 @@ from producers.gateway.errors import (
     error_responses,
     from_validation,
 )
+from producers.gateway.event_stream import EventStreamResponse
 from producers.gateway.protocol import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -166,8 +167,8 @@ async def chat_completions(request: Request, ctx: Context, key: Caller) -> Respo
     if body.stream:
         if event_ids is None:
             event_ids = ctx.settings.gateway.sse_event_ids
-        return StreamingResponse(ctx.chat.stream(accepted, event_ids=event_ids), media_type="text/event-stream",
-                                 headers={**headers, "cache-control": "no-cache"})
+        return EventStreamResponse(ctx.chat.stream(accepted, event_ids=event_ids),
+                                   headers={**headers, "cache-control": "no-cache"})
     # Non-streaming: a client that hangs up must still cancel the generation.
     try:
         result = await until_answered(request, ctx.chat.complete(accepted))
@@ -203,9 +204,9 @@ def _last_event(value: str) -> tuple[str, int]:
 async def _resume(request: Request, ctx: Context, key: Caller, request_id: str, client_has: int) -> Response:
     traceparent = child_of(request.headers.get("traceparent"))
     accepted = await ctx.chat.resume(request_id, client_has, key, traceparent=traceparent)
-    return StreamingResponse(ctx.chat.stream(accepted), media_type="text/event-stream",
-                             headers={"x-request-id": request_id, "traceparent": traceparent,
-                                      "cache-control": "no-cache"})
+    return EventStreamResponse(ctx.chat.stream(accepted),
+                               headers={"x-request-id": request_id, "traceparent": traceparent,
+                                        "cache-control": "no-cache"})
 
 
 @router.get("/v1/chat/completions/{completion_id}", response_model=None, dependencies=[Depends(bearer)],

@@ -6,10 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from producers.gateway.deps import Caller, Context
 from producers.gateway.errors import ApiError, error_responses
+from producers.gateway.event_stream import EventStreamResponse
 from producers.gateway.protocol import openapi_schema
 from producers.gateway.responses_protocol import ResponseCreate
 from producers.gateway.routes.chat import RATE_HEADERS, bearer, parse_json, until_answered
@@ -52,8 +53,8 @@ async def create_response(request: Request, ctx: Context, key: Caller) -> Respon
     headers = {"x-request-id": accepted.request_id, "traceparent": traceparent,
                **(accepted.ticket.headers() if accepted.ticket else {})}
     if body.stream:
-        return StreamingResponse(ctx.responses.stream(accepted, view), media_type="text/event-stream",
-                                 headers={**headers, "cache-control": "no-cache"})
+        return EventStreamResponse(ctx.responses.stream(accepted, view),
+                                   headers={**headers, "cache-control": "no-cache"})
     if body.background:
         return JSONResponse(ctx.responses.queued(accepted, view), headers=headers)
     try:
@@ -77,10 +78,9 @@ async def get_response(
     traceparent = child_of(request.headers.get("traceparent"))
     after = -1 if starting_after is None else starting_after
     accepted, view = await ctx.responses.resume(response_id, key, starting_after=after, traceparent=traceparent)
-    return StreamingResponse(ctx.responses.stream(accepted, view, starting_after=after),
-                             media_type="text/event-stream",
-                             headers={"x-request-id": response_id, "traceparent": traceparent,
-                                      "cache-control": "no-cache"})
+    return EventStreamResponse(ctx.responses.stream(accepted, view, starting_after=after),
+                               headers={"x-request-id": response_id, "traceparent": traceparent,
+                                        "cache-control": "no-cache"})
 
 
 @router.post("/v1/responses/{response_id}/cancel", responses=_READ, dependencies=[Depends(bearer)])
