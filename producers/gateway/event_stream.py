@@ -12,6 +12,7 @@ exactly as under the task group, and the response ends normally as Starlette's d
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -25,22 +26,46 @@ class EventStreamResponse(StreamingResponse):
         if streaming is None or scope["type"] != "http":  # not under a task: no one to cancel (never in uvicorn)
             await super().__call__(scope, receive, send)
             return
-        gone: list[bool] = []
-        listener = asyncio.get_running_loop().create_task(_client_left(receive, streaming, gone))
+        watch = _Disconnect(streaming)
+        listener = asyncio.get_running_loop().create_task(watch.listen(receive))
         try:
             await self.stream_response(send)
         except asyncio.CancelledError:
-            # Swallowed only when the listener asked for it and nobody else did (a server stopping cancels too).
-            if not gone or streaming.uncancel() > 0:
+            # Swallowed only when the listener cancelled and nobody else did (a server stopping cancels too).
+            if not watch.cancelled or streaming.uncancel() > 0:
                 raise
         finally:
             listener.cancel()
+            if watch.pending is not None:
+                watch.pending.cancel()
+        if watch.error is not None:  # as Starlette's task group: the listener's error ends the response
+            raise watch.error
         if self.background is not None:
             await self.background()
 
 
-async def _client_left(receive: Receive, streaming: asyncio.Task[object], gone: list[bool]) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    gone.append(True)
-    streaming.cancel()
+class _Disconnect:
+    """Listens for the client leaving, then cancels the request's task."""
+
+    __slots__ = ("_streaming", "cancelled", "error", "pending")
+
+    def __init__(self, streaming: asyncio.Task[Any]) -> None:
+        self._streaming = streaming
+        self.error: Exception | None = None
+        self.pending: asyncio.Handle | None = None
+        self.cancelled = False
+
+    async def listen(self, receive: Receive) -> None:
+        try:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        except Exception as exc:  # BodySizeLimit's 413, reading a resume's unread body: not lost with this task
+            self.error = exc
+        # A step later, as anyio cancels: a wait of the body's that has just ended (a paused write that a lost
+        # connection resumes) ends as it would, and the cancellation lands on its next wait, inside the body
+        # iterator, whose ``finally`` then runs (cancelled in ``send``, an iterator not started yet never runs it).
+        self.pending = asyncio.get_running_loop().call_soon(self._cancel)
+
+    def _cancel(self) -> None:
+        self.pending, self.cancelled = None, True
+        self._streaming.cancel()
