@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from producers.gateway.event_stream import EventStreamResponse
+from tests.fakes.sse_bodies import Body, tasks_now
 
 SCOPE = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "method": "GET", "path": "/"}
 
@@ -36,31 +37,6 @@ class Client:
         return b"".join(m.get("body", b"") for m in self.sent if m["type"] == "http.response.body")
 
 
-class Body:
-    """A stream's events, then a wait for more that only a cancellation ends; records how it ended."""
-
-    def __init__(self, events: list[bytes], *, then_wait: bool) -> None:
-        self.events, self.then_wait = events, then_wait
-        self.waiting = asyncio.Event()
-        self.ended_by: str | None = None
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        try:
-            for event in self.events:
-                yield event
-            if self.then_wait:
-                self.waiting.set()
-                await asyncio.Event().wait()
-            self.ended_by = "end"
-        except asyncio.CancelledError:
-            self.ended_by = "cancelled"
-            raise
-        finally:
-            self.ended_by = self.ended_by or "closed"
-
-
-def tasks_now() -> set[asyncio.Task[Any]]:
-    return {t for t in asyncio.all_tasks() if t is not asyncio.current_task()}
 
 
 async def test_it_streams_the_events_and_ends_the_body_as_starlette_does() -> None:

@@ -6,13 +6,13 @@ one event that both a disconnect and the response's completion set, and returns 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 from starlette.responses import StreamingResponse
 
 from producers.gateway.event_stream import EventStreamResponse
+from tests.fakes.sse_bodies import Body, tasks_now
 
 SCOPE = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "method": "POST", "path": "/"}
 BOTH = [StreamingResponse, EventStreamResponse]
@@ -59,30 +59,6 @@ class Cycle:
         self.writable.set()  # flow.resume_writing()
 
 
-class Body:
-    def __init__(self, events: list[bytes], *, then_wait: bool = True) -> None:
-        self.events, self.then_wait = events, then_wait
-        self.ended_by: str | None = None
-        self.waiting = asyncio.Event()
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        try:
-            for event in self.events:
-                await asyncio.sleep(0)  # waits for each event (the listener runs meanwhile)
-                yield event
-            if self.then_wait:
-                self.waiting.set()
-                await asyncio.Event().wait()
-            self.ended_by = "end"
-        except asyncio.CancelledError:
-            self.ended_by = "cancelled"
-            raise
-        finally:
-            self.ended_by = self.ended_by or "closed"
-
-
-def tasks_now() -> set[asyncio.Task[Any]]:
-    return {t for t in asyncio.all_tasks() if t is not asyncio.current_task()}
 
 
 class TooLarge(Exception):
