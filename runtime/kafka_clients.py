@@ -103,20 +103,20 @@ def make_admin(kafka: KafkaSettings) -> AIOKafkaAdminClient:
 
 async def ensure_topics(kafka: KafkaSettings, specs: list[TopicSpec]) -> list[str]:
     """Create the topics that do not exist yet (idempotent); returns the names it created."""
+    return await create_missing_topics(kafka, [
+        NewTopic(name=kafka.topic(spec.name), num_partitions=spec.partitions, replication_factor=1,
+                 topic_configs=spec.configs())
+        for spec in specs
+    ])
+
+
+async def create_missing_topics(kafka: KafkaSettings, topics: list[NewTopic]) -> list[str]:
+    """Create those of ``topics`` (full names) that do not exist yet; returns the names it created."""
     admin = make_admin(kafka)
     await admin.start()
     try:
         existing = set(await admin.list_topics())
-        missing = [
-            NewTopic(
-                name=kafka.topic(spec.name),
-                num_partitions=spec.partitions,
-                replication_factor=1,
-                topic_configs=spec.configs(),
-            )
-            for spec in specs
-            if kafka.topic(spec.name) not in existing
-        ]
+        missing = [topic for topic in topics if topic.name not in existing]
         if missing:
             # Created concurrently by another process: the end state is what we want.
             with contextlib.suppress(TopicAlreadyExistsError):

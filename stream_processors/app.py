@@ -2,8 +2,12 @@
 
 Each processor (safety, billing, abuse) is its own process with its own consumer group, web port (``/metrics``,
 ``/health``) and static group membership, so a restarted processor takes its partitions back at once instead of
-waiting for its dead predecessor's session to time out. Source topics are created by the stack manager; Faust
-creates only its internal topics (table changelogs, repartition topics), with replication 1 on one broker.
+waiting for its dead predecessor's session to time out. Source topics are created by the stack manager. A
+processor's internal topics (table changelogs, ``group_by`` repartition topics) are declared here and created by
+the runner before its Faust worker starts: Faust would create them itself, but while it does, its first partition
+assignment can be computed from metadata without them. A changelog missing from that assignment makes every
+table write fail (``KeyError`` in ``group_for_topic``), and with static membership a restarted worker is handed the
+same assignment back, so it crash-loops.
 """
 
 from __future__ import annotations
@@ -13,11 +17,14 @@ import socket
 from typing import Any, Literal, TypeVar
 
 import faust
+from aiokafka.admin import NewTopic
 from faust.types import EventT
+from mode.utils.times import want_seconds
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from runtime.kafka_clients import create_missing_topics
 from runtime.metrics import DEAD_LETTERED, DECODE_ERRORS
-from runtime.settings import Settings
+from runtime.settings import KafkaSettings, Settings
 from schemas.codec import EventCodec
 from schemas.errors import DecodeError
 from schemas.events import Event
@@ -29,11 +36,48 @@ Guarantee = Literal["exactly_once", "at_least_once"]
 E = TypeVar("E", bound=Event)
 
 
-def build_app(settings: Settings, name: str, *, guarantee: Guarantee) -> faust.App:
+class ProcessorApp(faust.App):
+    """A Faust app that knows every topic it keeps state in, so they can exist before it starts."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._repartition_topics: list[faust.TopicT] = []
+
+    def repartition_topic(self, name: str) -> faust.TopicT:
+        """The topic a ``group_by(..., topic=...)`` re-keys through (raw bytes, the app's partition count)."""
+        topic = self.topic(f"{self.conf.id}-{name}-repartition", key_serializer="raw", value_serializer="raw",
+                           partitions=self.conf.topic_partitions, internal=True)
+        self._repartition_topics.append(topic)
+        return topic
+
+    def internal_topics(self) -> list[NewTopic]:
+        """Table changelogs and repartition topics, configured as Faust itself would create them."""
+        topics = [table.changelog_topic for table in self.tables.values()] + self._repartition_topics
+        return [NewTopic(name=topic.get_topic_name(), num_partitions=topic.partitions or self.conf.topic_partitions,
+                         replication_factor=self.conf.topic_replication_factor, topic_configs=_configs(topic))
+                for topic in topics]
+
+
+def _configs(topic: faust.TopicT) -> dict[str, str]:
+    policy = [flag for flag, on in (("compact", topic.compacting), ("delete", topic.deleting)) if on]
+    configs = {key: str(value) for key, value in (topic.config or {}).items()}
+    if policy:
+        configs["cleanup.policy"] = ",".join(policy)
+    if topic.retention:
+        configs["retention.ms"] = str(int(want_seconds(topic.retention) * 1000))
+    return configs
+
+
+async def create_internal_topics(kafka: KafkaSettings, app: ProcessorApp) -> list[str]:
+    """Create the app's internal topics that do not exist yet; returns the names it created."""
+    return await create_missing_topics(kafka, app.internal_topics())
+
+
+def build_app(settings: Settings, name: str, *, guarantee: Guarantee) -> ProcessorApp:
     kafka, procs = settings.kafka, settings.processors
     datadir = settings.stack.root / "data" / "faust" / kafka.group(name)
     datadir.mkdir(parents=True, exist_ok=True)
-    app = faust.App(
+    app = ProcessorApp(
         kafka.group(f"kns-{name}"),
         broker=[f"kafka://{server}" for server in kafka.bootstrap_servers.split(",")],
         store="memory://",

@@ -9,9 +9,11 @@ the supervisor; a SIGKILLed supervisor takes the child along.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import logging
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 from runtime.logs import configure_logging
 from runtime.settings import load_settings
@@ -34,9 +36,16 @@ def work(name: str) -> None:
     """The Faust worker itself (the supervisor's child)."""
     import faust  # here: the supervisor only needs PROCESSORS
 
+    from stream_processors.app import ProcessorApp, create_internal_topics
+
     settings = load_settings()
     configure_logging(settings.observability, service=f"processor-{name}")
-    app: faust.App = importlib.import_module(PROCESSORS[name]).build(settings)
+    app: ProcessorApp = importlib.import_module(PROCESSORS[name]).build(settings)
+    # On a thread of its own: the Faust worker owns this thread's event loop from here on.
+    with ThreadPoolExecutor(1) as pool:
+        created = pool.submit(asyncio.run, create_internal_topics(settings.kafka, app)).result()
+    if created:
+        logging.getLogger(__name__).info("internal topics created", extra={"topics": created})
     worker = faust.Worker(app, loglevel=logging.getLevelName(logging.getLogger().level), override_logging=False,
                           quiet=True)
     worker.execute_from_commandline()

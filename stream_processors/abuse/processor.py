@@ -97,9 +97,12 @@ def build(settings: Settings) -> faust.App:
 
     max_age = 2 * max(ab.burst_window_s, ab.violations_window_s, ab.velocity_window_s, ab.addresses_window_s)
 
+    # Declared here, not at the agents' start: the runner creates them before the Faust worker starts.
+    by_key = {name: app.repartition_topic(name) for name in ("requests-by-key", "verdicts-by-key", "usage-by-key")}
+
     async def keyed(stream: Any, codec: EventCodec[Any], name: str) -> Any:
         """The stream re-keyed by API key id, decoded; history older than the windows is not behaviour now."""
-        async for event in stream.group_by(key_of(codec), name=name).events():
+        async for event in stream.group_by(key_of(codec), name=name, topic=by_key[name]).events():
             decoded: Event | None = await dead.decode(codec, event)
             at = event.message.timestamp
             if decoded is not None and time.time() - at <= max_age:
