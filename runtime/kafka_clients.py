@@ -18,7 +18,7 @@ from typing import Literal, Protocol, TypeVar
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import TopicAlreadyExistsError
+from aiokafka.errors import TopicAlreadyExistsError, for_code
 from aiokafka.structs import OffsetAndMetadata
 
 from runtime.metrics import DECODE_ERRORS
@@ -117,11 +117,17 @@ async def create_missing_topics(kafka: KafkaSettings, topics: list[NewTopic]) ->
     try:
         existing = set(await admin.list_topics())
         missing = [topic for topic in topics if topic.name not in existing]
-        if missing:
-            # Created concurrently by another process: the end state is what we want.
-            with contextlib.suppress(TopicAlreadyExistsError):
-                await admin.create_topics(missing)
-        return [t.name for t in missing]
+        if not missing:
+            return []
+        # The broker answers per topic, and aiokafka returns those answers instead of raising them.
+        response = await admin.create_topics(missing)
+        created = []
+        for name, code, *_ in response.topic_errors:
+            if code == 0:
+                created.append(name)
+            elif code != TopicAlreadyExistsError.errno:  # created concurrently by another process: as wanted
+                raise for_code(code)(f"topic {name!r} not created")
+        return created
     finally:
         await admin.close()
 

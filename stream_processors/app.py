@@ -51,20 +51,30 @@ class ProcessorApp(faust.App):
         return topic
 
     def internal_topics(self) -> list[NewTopic]:
-        """Table changelogs and repartition topics, configured as Faust itself would create them."""
+        """Table changelogs, repartition topics and the leader topic, configured as Faust itself would create
+        them (``Topic.declare``: the topic's partitions and replicas, else the app's)."""
+        conf = self.conf
         topics = [table.changelog_topic for table in self.tables.values()] + self._repartition_topics
-        return [NewTopic(name=topic.get_topic_name(), num_partitions=topic.partitions or self.conf.topic_partitions,
-                         replication_factor=self.conf.topic_replication_factor, topic_configs=_configs(topic))
-                for topic in topics]
+        declared = [NewTopic(name=topic.get_topic_name(), num_partitions=topic.partitions or conf.topic_partitions,
+                             replication_factor=topic.replicas or conf.topic_replication_factor,
+                             topic_configs=_configs(topic))
+                    for topic in topics]
+        if not conf.topic_disable_leader:  # faust's LeaderAssignor subscribes to it while the worker starts
+            declared.append(NewTopic(name=f"{conf.id}-__assignor-__leader", num_partitions=1,
+                                     replication_factor=conf.topic_replication_factor))
+        return declared
 
 
 def _configs(topic: faust.TopicT) -> dict[str, str]:
+    """Faust's order (its aiokafka driver's ``_really_create_topic``): cleanup policy and retention from the topic's
+    flags, then the topic's own configs over them."""
     policy = [flag for flag, on in (("compact", topic.compacting), ("delete", topic.deleting)) if on]
-    configs = {key: str(value) for key, value in (topic.config or {}).items()}
+    configs: dict[str, str] = {}
     if policy:
         configs["cleanup.policy"] = ",".join(policy)
     if topic.retention:
         configs["retention.ms"] = str(int(want_seconds(topic.retention) * 1000))
+    configs.update((key, str(value)) for key, value in (topic.config or {}).items())
     return configs
 
 

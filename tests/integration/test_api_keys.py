@@ -74,10 +74,17 @@ async def test_registering_a_known_secret_again_never_revives_it(stack: Settings
         assert await admin.view.authenticate(issued.record.key_hash) is Refusal.REVOKED
 
 
+#: what the loser of two concurrent changes hears (see below)
+LOSER_CODES = {"concurrent_change", "registry_unavailable"}
+
+
 async def test_concurrent_changes_to_one_key_are_serialised(stack: Settings) -> None:
     """Review finding: two admins rotating one key at once both kept their new secret live, and a rotation racing
     a revocation brought the key back. Changes are serialised by the registry's transactional id: the loser gets
-    409 concurrent_change, and no interleaving leaves more than one live secret, or any after a revocation."""
+    409 concurrent_change, and no interleaving leaves more than one live secret, or any after a revocation.
+    Kafka 4.3's coordinator sometimes answers the loser's EndTxn with UNKNOWN_SERVER_ERROR instead of a fencing
+    (IllegalStateException: ONGOING while PREPARE_EPOCH_FENCE, in endTransactionWithTV1; seen in a CI run): then
+    the loser hears 503 registry_unavailable ("retry"), its change aborted all the same."""
     org = f"org-race-{uuid.uuid4().hex[:8]}"
     async with open_admin(stack) as a, open_admin(stack) as b:
         for _ in range(4):
@@ -86,7 +93,8 @@ async def test_concurrent_changes_to_one_key_are_serialised(stack: Settings) -> 
                                             return_exceptions=True)
             for outcome in outcomes:
                 assert not isinstance(outcome, BaseException) or (
-                    isinstance(outcome, TenancyError) and outcome.code == "concurrent_change"), outcome
+                    isinstance(outcome, TenancyError) and outcome.code in LOSER_CODES), outcome
+            assert sum(not isinstance(outcome, BaseException) for outcome in outcomes) >= 1  # one of them won
             await a.view.catch_up()
             live = [k for k in a.view.keys_of(key_id) if k.usable_at(utcnow())]
             assert len(live) == 1, f"{len(live)} live secrets after two concurrent rotations"
@@ -95,7 +103,7 @@ async def test_concurrent_changes_to_one_key_are_serialised(stack: Settings) -> 
                                             return_exceptions=True)
             revoked, _ = outcomes
             if isinstance(revoked, BaseException):  # the revocation lost the race: do it again, alone
-                assert isinstance(revoked, TenancyError) and revoked.code == "concurrent_change", revoked
+                assert isinstance(revoked, TenancyError) and revoked.code in LOSER_CODES, revoked
                 await a.revoke_key(key_id)
             await a.view.catch_up()
             assert [k for k in a.view.keys_of(key_id) if k.usable_at(utcnow())] == [], "a revoked key came back"
