@@ -22,6 +22,7 @@ from typing import Any
 from bench.cpu import CpuMeter
 from bench.loadgen import Run, Target, plan, run_load
 from bench.servers import Side, infra_pids, our_side, vllm_side
+from bench.stages import means_ms, scrape
 from bench.workload import Shape, items
 from ops.stack.manager import StackManager
 from runtime.settings import REPO_ROOT, Settings
@@ -42,6 +43,7 @@ def aggregate(summaries: list[dict[str, Any]]) -> dict[str, Any]:
         "request_throughput": _median([s["request_throughput"] for s in summaries]),
         "errors": sum(sum(s["errors"].values()) for s in summaries),
         "cpu_s_per_1k_output_tokens": cpu_per_1k_tokens(summaries),
+        **({"stages_mean_ms": stage_means(summaries)} if any("stages_ms" in s for s in summaries) else {}),
         **{f"{metric}_{q}": _median([s[f"{metric}_s"][q] for s in summaries])
            for metric in ("ttft", "itl", "tpot", "e2e") for q in ("p50", "p99")},
     }
@@ -54,6 +56,14 @@ def cpu_per_1k_tokens(summaries: list[dict[str, Any]]) -> dict[str, float]:
     keys = {k for r in per_round for k in r}
     return {k: round(statistics.median(r.get(k, 0.0) for r in per_round), 3)
             for k in sorted(keys) if any(r.get(k, 0.0) > 0.005 for r in per_round)}
+
+
+def stage_means(summaries: list[dict[str, Any]]) -> dict[str, float]:
+    """Median over rounds of each stage's mean (ms): where a request's time went between the services."""
+    stages = {stage for s in summaries for stage in s.get("stages_ms", {})}
+    return {stage: round(statistics.median(s["stages_ms"][stage]["mean_ms"] for s in summaries
+                                           if stage in s.get("stages_ms", {})), 2)
+            for stage in sorted(stages)}
 
 
 def ratios(ours: dict[str, Any], vllm: dict[str, Any]) -> dict[str, Any]:
@@ -132,10 +142,13 @@ async def compare(settings: Settings, *, concurrencies: list[int], rounds: int, 
                     run = plan(Target(side.base_url, settings.model.served_name, side.api_key, label=side.label),
                                workload, concurrency=c)
                     meter = CpuMeter({**{p.name: p.pid for p in side.procs if p.pid}, **infra})
+                    stages_before = await scrape(side.metrics_urls)
                     await run_load(run)
                     runs.append(run)
                     summary = run.summary()
                     summary["cpu_s"] = meter.since()
+                    if side.metrics_urls:
+                        summary["stages_ms"] = means_ms(stages_before, await scrape(side.metrics_urls))
                     per[c][side.label].append(summary)
         results: dict[str, Any] = {"shape": shape.__dict__, "sides": {s.label: s.description for s in sides},
                                    "concurrency": {}}

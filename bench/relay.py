@@ -25,7 +25,7 @@ from bench.common import percentiles
 from bench.cpu import CpuMeter
 from bench.loadgen import RequestResult, Target, plan
 from bench.servers import Proc, infra_pids, pin_threads, pinned, pipeline, wait_healthy
-from bench.stages import quantiles, scrape
+from bench.stages import means_ms, quantiles, scrape
 from bench.workload import Shape
 from producers.relay.demux import Relay
 from runtime.kafka_clients import ensure_topics, make_admin, make_producer
@@ -198,6 +198,7 @@ async def _level(n: int, tokens: int, rate: float, ramp_s: float, secret: str, m
             "gateway_us_per_event": round(gateway_cpu / relayed * 1e6, 1) if gateway_cpu and relayed else None,
             "cpu_cores": {k: round(v / s["wall_s"], 2) for k, v in cpu.items() if v / s["wall_s"] >= 0.01},
             "stages": quantiles(stages_before, stages_after),
+            "stage_means_ms": means_ms(stages_before, stages_after),
             # how evenly the work queue's partitions spread the requests over the workers
             "tokens_per_worker": [round(b - a) for a, b in zip(tokens_before, tokens_after, strict=True)]}
 

@@ -90,6 +90,8 @@ class Side:
     api_key: str
     procs: list[Proc]
     description: str
+    #: the services' Prometheus endpoints whose stage histograms say where a request's time went (ours only)
+    metrics_urls: list[str] = field(default_factory=list)
 
 
 def vllm_side(settings: Settings, port: int) -> Side:
@@ -172,4 +174,5 @@ async def our_side(settings: Settings, gateway_port: int, worker_port: int, name
     args = engine_args(settings.model, settings.engine)
     return Side("ours", f"http://127.0.0.1:{gateway_port}/v1", secret, procs,
                 f"kns gateway + Kafka + worker (1 gateway process, 1 worker process + 1 engine-core process), "
-                f"namespace {namespace}, safety pre-filter off; engine {args}")
+                f"namespace {namespace}, safety pre-filter off; engine {args}",
+                metrics_urls=[f"http://127.0.0.1:{gateway_port}/metrics", f"http://127.0.0.1:{worker_port}/metrics"])
