@@ -142,12 +142,12 @@ async def compare(settings: Settings, *, concurrencies: list[int], rounds: int, 
                     run = plan(Target(side.base_url, settings.model.served_name, side.api_key, label=side.label),
                                workload, concurrency=c)
                     meter = CpuMeter({**{p.name: p.pid for p in side.procs if p.pid}, **infra})
-                    stages_before = await scrape(side.metrics_urls)
+                    stages_before = await scrape(side.metrics_urls) if side.metrics_urls else None
                     await run_load(run)
                     runs.append(run)
                     summary = run.summary()
                     summary["cpu_s"] = meter.since()
-                    if side.metrics_urls:
+                    if stages_before is not None:
                         summary["stages_ms"] = means_ms(stages_before, await scrape(side.metrics_urls))
                     per[c][side.label].append(summary)
         results: dict[str, Any] = {"shape": shape.__dict__, "sides": {s.label: s.description for s in sides},

@@ -33,9 +33,9 @@ class Snapshot:
     counts: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
 
-def _stage(name: str, labels: dict[str, str], suffix: str) -> str | None:
-    for metric, label, stage in STAGES:
-        if name == f"{metric}{suffix}" and (label is None or labels.get(label[0]) == label[1]):
+def _stage(metric: str, labels: dict[str, str]) -> str | None:
+    for name, label, stage in STAGES:
+        if metric == name and (label is None or labels.get(label[0]) == label[1]):
             return stage
     return None
 
@@ -53,11 +53,14 @@ def add_exposition(out: Snapshot, text: str) -> None:
     """Add one service's metrics (Prometheus text format) to ``out``."""
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if (stage := _stage(sample.name, sample.labels, "_bucket")) is not None:
+            metric, _, kind = sample.name.rpartition("_")
+            if (stage := _stage(metric, sample.labels)) is None:
+                continue
+            if kind == "bucket":
                 out.buckets[stage][float(sample.labels["le"])] += sample.value
-            elif (stage := _stage(sample.name, sample.labels, "_sum")) is not None:
+            elif kind == "sum":
                 out.sums[stage] += sample.value
-            elif (stage := _stage(sample.name, sample.labels, "_count")) is not None:
+            elif kind == "count":
                 out.counts[stage] += sample.value
 
 

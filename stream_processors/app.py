@@ -22,9 +22,8 @@ from faust.types import EventT
 from mode.utils.times import want_seconds
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from runtime.kafka_clients import create_missing_topics
 from runtime.metrics import DEAD_LETTERED, DECODE_ERRORS
-from runtime.settings import KafkaSettings, Settings
+from runtime.settings import Settings
 from schemas.codec import EventCodec
 from schemas.errors import DecodeError
 from schemas.events import Event
@@ -76,11 +75,6 @@ def _configs(topic: faust.TopicT) -> dict[str, str]:
         configs["retention.ms"] = str(int(want_seconds(topic.retention) * 1000))
     configs.update((key, str(value)) for key, value in (topic.config or {}).items())
     return configs
-
-
-async def create_internal_topics(kafka: KafkaSettings, app: ProcessorApp) -> list[str]:
-    """Create the app's internal topics that do not exist yet; returns the names it created."""
-    return await create_missing_topics(kafka, app.internal_topics())
 
 
 def build_app(settings: Settings, name: str, *, guarantee: Guarantee) -> ProcessorApp:

@@ -36,14 +36,15 @@ def work(name: str) -> None:
     """The Faust worker itself (the supervisor's child)."""
     import faust  # here: the supervisor only needs PROCESSORS
 
-    from stream_processors.app import ProcessorApp, create_internal_topics
+    from runtime.kafka_clients import create_missing_topics
+    from stream_processors.app import ProcessorApp
 
     settings = load_settings()
     configure_logging(settings.observability, service=f"processor-{name}")
     app: ProcessorApp = importlib.import_module(PROCESSORS[name]).build(settings)
     # On a thread of its own: the Faust worker owns this thread's event loop from here on.
     with ThreadPoolExecutor(1) as pool:
-        created = pool.submit(asyncio.run, create_internal_topics(settings.kafka, app)).result()
+        created = pool.submit(asyncio.run, create_missing_topics(settings.kafka, app.internal_topics())).result()
     if created:
         logging.getLogger(__name__).info("internal topics created", extra={"topics": created})
     worker = faust.Worker(app, loglevel=logging.getLevelName(logging.getLogger().level), override_logging=False,

@@ -13,13 +13,12 @@ from typing import Any
 
 import pytest
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
-from faust.transport.drivers.aiokafka import Transport
-from mode.utils.times import want_seconds
 
-from runtime.kafka_clients import make_admin
+from runtime.kafka_clients import create_missing_topics, make_admin
 from runtime.settings import Settings
 from stream_processors.abuse.processor import build
-from stream_processors.app import ProcessorApp, create_internal_topics
+from stream_processors.app import ProcessorApp
+from tests.faust_reference import as_faust_creates
 from tests.helpers import ServiceProcess
 
 pytestmark = pytest.mark.integration
@@ -53,13 +52,6 @@ async def described(settings: Settings, names: list[str]) -> tuple[dict[str, int
         await admin.close()
 
 
-def as_faust_creates(topic: Any) -> dict[str, str]:
-    """The reference: the configs Faust's own topic creation gives the topic."""
-    retention = int(want_seconds(topic.retention) * 1000) if topic.retention else None
-    config = Transport._topic_config(None, retention, topic.compacting, topic.deleting)  # type: ignore[arg-type]
-    return {key: str(value) for key, value in config.items()}
-
-
 @pytest.fixture(scope="module")
 def abuse_app(stack: Settings) -> ProcessorApp:
     return build(stack)
@@ -78,7 +70,8 @@ def test_the_abuse_processor_created_its_internal_topics_before_its_faust_worker
 
 async def test_internal_topics_have_the_partitions_and_configs_faust_would_give_them(
         stack: Settings, processors: dict[str, ServiceProcess], abuse_app: ProcessorApp) -> None:
-    assert await create_internal_topics(stack.kafka, abuse_app) == []  # the processor made them; idempotent
+    # The processor made them; creating them again creates nothing.
+    assert await create_missing_topics(stack.kafka, abuse_app.internal_topics()) == []
     topics = {t.get_topic_name(): t for t in [table.changelog_topic for table in abuse_app.tables.values()]}
     repartitions = [t.name for t in abuse_app.internal_topics() if t.name.endswith("-repartition")]
     partitions, configs = await described(stack, [*topics, *repartitions])
