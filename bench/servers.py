@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from inference_workers.engine import engine_args
+from inference_workers.engine import engine_args, engine_env
 from ops.stack.manager import StackManager
 from ops.stack.process import PidFile, spawn, stop, tail
 from producers.tenancy.admin import UNLIMITED, KeyCreate, open_admin
@@ -96,12 +96,16 @@ class Side:
 
 def vllm_side(settings: Settings, port: int) -> Side:
     args = engine_args(settings.model, settings.engine)
-    env = {**os.environ, "VLLM_CACHE_ROOT": str(settings.engine.effective().cache_dir), "PYTHONUNBUFFERED": "1"}
+    # The engine's environment as our worker gives it (its processes' idle spin): the same engine on both sides.
+    same_engine = engine_env(settings.engine)
+    env = {**os.environ, "VLLM_CACHE_ROOT": str(settings.engine.effective().cache_dir), "PYTHONUNBUFFERED": "1",
+           **same_engine}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args["model"]),
            "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log", *vllm_flags(args)]
     proc = Proc("vllm-server", cmd, env, f"http://127.0.0.1:{port}/health")
     return Side("vllm", f"http://127.0.0.1:{port}/v1", "none", [proc],
-                "vLLM's OpenAI server (1 API process + 1 engine-core process): " + " ".join(cmd[3:]))
+                "vLLM's OpenAI server (1 API process + 1 engine-core process): " + " ".join(cmd[3:])
+                + "".join(f"; {name}={value}" for name, value in same_engine.items()))
 
 
 async def pipeline(settings: Settings, *, namespace: str, gateway_port: int, worker_port: int, prefix: str,
@@ -174,5 +178,6 @@ async def our_side(settings: Settings, gateway_port: int, worker_port: int, name
     args = engine_args(settings.model, settings.engine)
     return Side("ours", f"http://127.0.0.1:{gateway_port}/v1", secret, procs,
                 f"kns gateway + Kafka + worker (1 gateway process, 1 worker process + 1 engine-core process), "
-                f"namespace {namespace}, safety pre-filter off; engine {args}",
+                f"namespace {namespace}, safety pre-filter off; engine {args}"
+                + "".join(f"; {name}={value}" for name, value in engine_env(settings.engine).items()),
                 metrics_urls=[f"http://127.0.0.1:{gateway_port}/metrics", f"http://127.0.0.1:{worker_port}/metrics"])

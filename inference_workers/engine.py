@@ -13,6 +13,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from inference_workers.protocol import EngineDeadError, EngineDelta
+from inference_workers.vllm_plugin import IDLE_SPIN_ENV
 from runtime.settings import EngineSettings, ModelSettings
 from schemas.events import SamplingSpec
 
@@ -48,6 +49,13 @@ def engine_args(model: ModelSettings, engine: EngineSettings) -> dict[str, Any]:
     return args
 
 
+def engine_env(engine: EngineSettings) -> dict[str, str]:
+    """What vLLM's processes must find in their environment for these settings (also given to vLLM's own server
+    in bench): read there by our vLLM plugin."""
+    eff = engine.effective()
+    return {IDLE_SPIN_ENV: str(eff.idle_spin_s)} if eff.idle_spin_s is not None else {}
+
+
 class VllmEngine:
     def __init__(self, llm: Any, args: dict[str, Any]) -> None:
         self._llm = llm
@@ -61,6 +69,7 @@ class VllmEngine:
         os.environ.setdefault("VLLM_CACHE_ROOT", str(eff.cache_dir))
         if eff.omp_num_threads:
             os.environ["OMP_NUM_THREADS"] = str(eff.omp_num_threads)
+        os.environ.update(engine_env(engine))
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
