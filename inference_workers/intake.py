@@ -76,6 +76,7 @@ from schemas.events import (
     utcnow,
 )
 from schemas.headers import reply_address
+from schemas.token_batch import Delta
 
 log = logging.getLogger(__name__)
 
@@ -494,8 +495,7 @@ class Intake:
                 return Outcome(delta.finish_reason, ids, text, cached_tokens=cached)
             if not ids and not text:
                 continue
-            delivery = await self._sink.emit(self._event(job, job.seq, ids, text), request.reply.partition,
-                                             job.traceparent)
+            delivery = await self._sink.emit(self._delta(job, ids, text), request.reply.partition, job.traceparent)
             first_of_request = job.seq == 0 and not job.prefix.tokens
             job.in_flight.add(delivery)
             delivery.add_done_callback(partial(self._delivered, job, job.tokens, first_of_request))
@@ -504,7 +504,6 @@ class Intake:
             job.tokens += len(ids)
             if request.keeps_record:
                 job.text_parts.append(text)
-            WORKER_TOKENS_OUT.inc(len(ids))
         return Outcome("error", [], "", "the engine ended the stream without a finish reason",
                        ErrorCode.GENERATION_FAILED.value)
 
@@ -524,6 +523,11 @@ class Intake:
     async def _record_first_offset(self, request_id: str, offset: int) -> None:
         with contextlib.suppress(*CLAIM_ERRORS):  # else a takeover searches from the request's creation time
             await self._claims.record_first_offset(request_id, offset)
+
+    def _delta(self, job: Job, token_ids: list[int], text: str) -> Delta:
+        """A non-final event: no model on this path (one per running request per engine step)."""
+        return Delta(job.request.request_id, job.attempt, job.seq, job.tokens, token_ids, text, self._worker_id,
+                     _now_us())
 
     def _event(self, job: Job, seq: int, token_ids: list[int], text: str, **final: object) -> TokenEvent:
         return TokenEvent(request_id=job.request.request_id, attempt=job.attempt, seq=seq,

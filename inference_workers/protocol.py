@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 from aiokafka import TopicPartition
 
 from schemas.events import ChatRequest, SamplingSpec, TokenEvent
+from schemas.token_batch import Delta
 
 if TYPE_CHECKING:
     from inference_workers.claims import Claim
@@ -82,7 +83,7 @@ class SettlementsT(Protocol):
 class TokenSinkT(Protocol):
     """Produces a request's non-final token events (``token_sink.TokenSink``)."""
 
-    async def emit(self, event: TokenEvent, partition: int, traceparent: str | None) -> Delivery: ...
+    async def emit(self, event: TokenEvent | Delta, partition: int, traceparent: str | None) -> Delivery: ...
 
 
 class FinalizerT(Protocol):

@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from aiokafka import AIOKafkaProducer
 
 from inference_workers.emitter import Delivery
-from runtime.metrics import WORKER_TOKEN_RECORDS
+from runtime.metrics import WORKER_TOKEN_RECORDS, WORKER_TOKENS_OUT
 from runtime.tracing import to_headers
 from schemas.codec import codec_for
 from schemas.events import TokenEvent
-from schemas.token_batch import pack
+from schemas.token_batch import Delta, pack
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ BATCHED_VERSION = 3
 class _Record:
     """The deltas bound for one reply partition, produced together."""
 
-    events: list[TokenEvent] = field(default_factory=list)
+    events: list[TokenEvent | Delta] = field(default_factory=list)
     traceparent: str | None = None
     delivered: Delivery = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
@@ -59,7 +59,7 @@ class TokenSink:
         self._queued: list[tuple[int, _Record]] = []
         self._sender: asyncio.Task[None] | None = None
 
-    async def emit(self, event: TokenEvent, partition: int, traceparent: str | None) -> Delivery:
+    async def emit(self, event: TokenEvent | Delta, partition: int, traceparent: str | None) -> Delivery:
         """Add one event to its partition's next record; returns that record's delivery future."""
         record = self._open.get(partition)
         if record is None or len(record.events) >= self._max_events:
@@ -107,6 +107,7 @@ class TokenSink:
                 record.delivered.set_exception(exc)
             return
         WORKER_TOKEN_RECORDS.observe(len(events))
+        WORKER_TOKENS_OUT.inc(sum(len(e.token_ids) for e in events))  # once per record, not per delta
         acked.add_done_callback(lambda done: _settle(record.delivered, done))
 
     async def close(self) -> None:

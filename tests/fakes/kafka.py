@@ -19,6 +19,7 @@ from inference_workers.emitter import Finished, PartitionLost
 from inference_workers.offsets import CommittedState, OffsetTracker, decode_state
 from inference_workers.resume import EmittedPrefix
 from schemas.events import ChatRequest, TokenEvent, UsageEvent
+from schemas.token_batch import Delta
 from schemas.token_stream import TokenStream
 
 
@@ -54,12 +55,14 @@ class FakeSink:
         #: token offsets whose delta the "broker" refuses
         self.refuse_at: set[int] = set()
 
-    async def emit(self, event: TokenEvent, partition: int, traceparent: str | None) -> asyncio.Future[object]:
+    async def emit(self, event: TokenEvent | Delta, partition: int, traceparent: str | None
+                   ) -> asyncio.Future[object]:
         delivery: asyncio.Future[object] = asyncio.get_running_loop().create_future()
         if event.token_offset in self.refuse_at:
             delivery.set_exception(ConnectionError("broker refused the delta"))
         else:
-            self.log.records.append(Sent(event, partition))
+            # what a reader decodes from the record
+            self.log.records.append(Sent(event.event() if isinstance(event, Delta) else event, partition))
             delivery.set_result(type("Meta", (), {"offset": len(self.log.records) - 1})())
         await asyncio.sleep(0)
         return delivery

@@ -8,7 +8,7 @@ import pytest
 from schemas.codec import EventCodec, codec_for, schema_versions
 from schemas.errors import DecodeError
 from schemas.events import TokenEvent
-from schemas.token_batch import may_carry, pack, unpack
+from schemas.token_batch import Delta, may_carry, pack, unpack
 from schemas.token_stream import TokenStream
 from tests.helpers import token_event
 
@@ -26,6 +26,24 @@ def test_a_packed_record_round_trips_to_the_same_events_in_order() -> None:
     back = [TokenEvent.model_validate(fields) for fields in unpack(decoded)]
     assert back == events
     assert codec.decode(codec.encode_dict(pack(events))).split() == events  # the model's own split agrees
+
+
+def _as_delta(event: TokenEvent) -> Delta:
+    return Delta(event.request_id, event.attempt, event.seq, event.token_offset, event.token_ids, event.text,
+                 event.worker_id, event.emitted_at_us)
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_a_worker_s_deltas_make_the_very_bytes_of_their_events(version: int) -> None:
+    """The worker emits model-free deltas (its hot path); readers must get exactly the events a model would make."""
+    codec = codec_for(TokenEvent)
+    events = _step(7, "req-a", "req-b", "req-c")[: 1 if version == 2 else None]
+    deltas = [_as_delta(e) for e in events]
+    assert codec.encode_dict(pack(deltas), version=version) == codec.encode_dict(pack(events), version=version)
+    assert [codec.decode(codec.encode_dict(pack([d]), version=version)) for d in deltas] == \
+        [d.event() for d in deltas] == events[: len(deltas)]
+    # mixed: a record opened by one kind carries the other
+    assert codec.encode_dict(pack([deltas[0], *events[1:]])) == codec.encode_dict(pack(events))
 
 
 def test_one_event_packs_into_a_plain_record() -> None:
