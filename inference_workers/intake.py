@@ -495,7 +495,9 @@ class Intake:
                 return Outcome(delta.finish_reason, ids, text, cached_tokens=cached)
             if not ids and not text:
                 continue
-            delivery = await self._sink.emit(self._delta(job, ids, text), request.reply.partition, job.traceparent)
+            out = self._delta(job, ids, text)  # raises here, in this request's own task, on what is not a delta
+            ids, text = out.token_ids, out.text
+            delivery = await self._sink.emit(out, request.reply.partition, job.traceparent)
             first_of_request = job.seq == 0 and not job.prefix.tokens
             job.in_flight.add(delivery)
             delivery.add_done_callback(partial(self._delivered, job, job.tokens, first_of_request))
@@ -525,7 +527,12 @@ class Intake:
             await self._claims.record_first_offset(request_id, offset)
 
     def _delta(self, job: Job, token_ids: list[int], text: str) -> Delta:
-        """A non-final event: no model on this path (one per running request per engine step)."""
+        """A non-final event: no model on this path (one per running request per engine step) unless the engine
+        gave something else than a str and ints. Then the model validates it (coerces, or raises for this request
+        alone): an unchecked bad delta would make its whole record unwritable, ending every stream it carries."""
+        if type(text) is not str or any(type(t) is not int for t in token_ids):
+            event = self._event(job, job.seq, token_ids, text)
+            token_ids, text = event.token_ids, event.text
         return Delta(job.request.request_id, job.attempt, job.seq, job.tokens, token_ids, text, self._worker_id,
                      _now_us())
 
