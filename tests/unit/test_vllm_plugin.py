@@ -3,11 +3,12 @@ worker sets it from the engine settings (CPU default 5 ms, vLLM's own on a GPU),
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from importlib.metadata import entry_points
+from typing import Any
 
 import pytest
-import zmq
 from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
 from inference_workers import vllm_plugin
@@ -16,22 +17,33 @@ from inference_workers.vllm_plugin import IDLE_SPIN_ENV, register
 from runtime.settings import EngineSettings
 
 
+def _vllm_like_init(self: Any, is_reader: bool, context: object, notify_address: str) -> None:
+    """What vLLM's own ``SpinCondition.__init__`` does that matters here (see the test of its source below),
+    without its zmq sockets: a test process that builds and terminates real zmq contexts aborted now and then in
+    ``Context.term`` (CI, and once here)."""
+    self.is_reader = is_reader
+    self.busy_loop_s = 1
+
+
 @pytest.fixture
 def pristine(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Whatever a test does to SpinCondition is undone after it."""
-    monkeypatch.setattr(SpinCondition, "__init__", SpinCondition.__init__)
+    """SpinCondition with a socket-free ``__init__``; whatever a test does to it is undone after it."""
+    monkeypatch.setattr(SpinCondition, "__init__", _vllm_like_init)
     monkeypatch.setattr(SpinCondition, vllm_plugin._PATCHED, None, raising=False)
     yield
 
 
 def reader_spin_s() -> float:
-    context = zmq.Context()
-    reader = SpinCondition(is_reader=True, context=context, notify_address="inproc://kns-test-notify")
-    # Closed before the context: a socket left to the garbage collector after it aborts the interpreter.
-    for socket in (reader.local_notify_socket, reader.read_cancel_socket, reader.write_cancel_socket):
-        socket.close(linger=0)
-    context.term()
+    reader = SpinCondition.__new__(SpinCondition)
+    reader.__init__(is_reader=True, context=None, notify_address="inproc://kns-test-notify")  # type: ignore[misc]
     return float(reader.busy_loop_s)
+
+
+def test_vllm_s_readers_spin_a_second_by_busy_loop_s() -> None:
+    """The attribute the plugin overrides is the one vLLM's readers spin by (what the stub above mirrors)."""
+    init, wait = inspect.getsource(SpinCondition.__init__), inspect.getsource(SpinCondition.wait)
+    assert "busy_loop_s: float = 1," in init and "self.busy_loop_s = busy_loop_s" in init
+    assert "self.last_read + self.busy_loop_s" in wait
 
 
 def test_unset_leaves_vllm_as_it_is(pristine: None, monkeypatch: pytest.MonkeyPatch) -> None:
