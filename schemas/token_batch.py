@@ -23,17 +23,18 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from schemas.events import TokenEvent
+from schemas.events import TokenDelta, TokenEvent
 
 #: fields a packed delta takes from its record
 SHARED = ("worker_id", "emitted_at_us")
-DELTA_FIELDS = ("request_id", "attempt", "seq", "token_offset", "token_ids", "text")
+DELTA_FIELDS = tuple(TokenDelta.model_fields)
 _NOT_FINAL: dict[str, Any] = {"finish_reason": None, "usage": None, "error": None, "error_code": None, "more": []}
 
 
 class Delta(NamedTuple):
     """A non-final event as a worker emits it: ``TokenEvent``'s fields without the model. A worker makes one per
-    running request per engine step, and validating a model for each was a fifth of its loop under load."""
+    running request per engine step, and validating a model for each was a fifth of its loop under load.
+    Its fields are ``DELTA_FIELDS`` then ``SHARED``, in that order (a unit test holds it to ``TokenDelta``)."""
 
     request_id: str
     attempt: int

@@ -3,12 +3,14 @@ readers and writers keep working through the documented upgrade path (``schemas/
 
 from __future__ import annotations
 
+from typing import get_type_hints
+
 import pytest
 
 from schemas.codec import EventCodec, codec_for, schema_versions
 from schemas.errors import DecodeError
 from schemas.events import TokenEvent
-from schemas.token_batch import Delta, may_carry, pack, unpack
+from schemas.token_batch import DELTA_FIELDS, SHARED, Delta, may_carry, pack, unpack
 from schemas.token_stream import TokenStream
 from tests.helpers import token_event
 
@@ -26,6 +28,14 @@ def test_a_packed_record_round_trips_to_the_same_events_in_order() -> None:
     back = [TokenEvent.model_validate(fields) for fields in unpack(decoded)]
     assert back == events
     assert codec.decode(codec.encode_dict(pack(events))).split() == events  # the model's own split agrees
+
+
+def test_a_delta_has_the_fields_of_a_packed_delta_then_those_its_record_shares() -> None:
+    """``Delta`` is written out as a NamedTuple for the worker's hot path; it must follow the schema's models."""
+    assert Delta._fields == (*DELTA_FIELDS, *SHARED)
+    assert set(Delta._fields) <= set(TokenEvent.model_fields)
+    hints = get_type_hints(Delta)
+    assert all(hints[name] == TokenEvent.model_fields[name].annotation for name in Delta._fields)
 
 
 def _as_delta(event: TokenEvent) -> Delta:
