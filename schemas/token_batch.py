@@ -6,8 +6,8 @@ keeps its own request id, attempt, ``seq`` and ``token_offset``, so what the rea
 (``token_stream.py``: order, duplicates, failover, resume positions) is exactly what it was with one record each.
 Finals are never packed: each rides alone in its request's commit transaction (``emitter.py``).
 
-Readers take a record apart with :func:`unpack` (decoded fields, no models: the relay's hot path builds a model
-only for the deltas of streams it serves) or ``TokenEvent.split()``. A single-request record is keyed by its
+Readers take a record apart with :func:`events` (no models for its deltas: the relay's hot path makes one per
+token per stream) or ``TokenEvent.split()``. A single-request record is keyed by its
 request id, so a reader looking for one request skips the others without decoding; a record of several is not
 keyed, and :func:`may_carry` tells from its bytes whether a request can be in it (Avro writes a string's UTF-8
 bytes as they are).
@@ -49,6 +49,10 @@ class Delta(NamedTuple):
     def is_final(self) -> bool:
         return False
 
+    @property
+    def finish_reason(self) -> None:
+        return None
+
     def event(self) -> TokenEvent:
         """The validated event (what a reader decodes from its record)."""
         return TokenEvent(**self._asdict())
@@ -66,13 +70,22 @@ def pack(events: Sequence[TokenEvent | Delta]) -> dict[str, Any]:
     return record
 
 
-def unpack(record: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
-    """The per-request events' fields of one decoded record, in the order they were emitted."""
-    more = record.get("more") or ()
-    yield {**record, "more": []} if more else dict(record)
-    shared = {name: record[name] for name in SHARED}
-    for delta in more:
-        yield {**delta, **shared, **_NOT_FINAL}
+def events(record: Mapping[str, Any]) -> Iterator[TokenEvent | Delta]:
+    """The per-request events of one decoded record, in the order they were emitted. Deltas come as
+    :class:`Delta`, not validated again: Avro decoded them to the schema's types already (a reader's hot path
+    makes one per token per stream); a final, once per request, is a validated ``TokenEvent``."""
+    worker_id, emitted_at_us = record["worker_id"], record["emitted_at_us"]
+    if record["finish_reason"] is None:
+        yield _delta(record, worker_id, emitted_at_us)
+    else:
+        yield TokenEvent.model_validate({**record, "more": []})
+    for delta in record.get("more") or ():  # ``TokenDelta``: never final
+        yield _delta(delta, worker_id, emitted_at_us)
+
+
+def _delta(fields: Mapping[str, Any], worker_id: str, emitted_at_us: int) -> Delta:
+    return Delta(fields["request_id"], fields["attempt"], fields["seq"], fields["token_offset"], fields["token_ids"],
+                 fields["text"], worker_id, emitted_at_us)
 
 
 def may_carry(value: bytes, request_id: bytes) -> bool:

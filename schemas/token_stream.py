@@ -24,6 +24,7 @@ from array import array
 from dataclasses import dataclass
 
 from schemas.events import ErrorCode, TokenEvent
+from schemas.token_batch import Delta
 
 
 @dataclass(frozen=True)
@@ -54,9 +55,10 @@ class TokenStream:
     def tokens(self) -> int:
         return len(self.token_ids)
 
-    def put(self, event: TokenEvent) -> Accepted | None:
-        """Merge one event. None: ignored (stale, duplicate, or the stream already ended). Check :attr:`error`
-        after a put: an inconsistent event ends the stream."""
+    def put(self, event: TokenEvent | Delta) -> Accepted | None:
+        """Merge one event (a reader's deltas may come model-free: ``token_batch.events``). None: ignored (stale,
+        duplicate, or the stream already ended). Check :attr:`error` after a put: an inconsistent event ends the
+        stream."""
         if self.ended or event.attempt < self.attempt:
             self.duplicates += 1
             return None
@@ -72,11 +74,11 @@ class TokenStream:
         accepted = self._tokens(event)
         if accepted is None:
             return None
-        if event.finish_reason is not None:
+        if isinstance(event, TokenEvent) and event.finish_reason is not None:
             self.final = event
         return accepted
 
-    def _tokens(self, event: TokenEvent) -> Accepted | None:
+    def _tokens(self, event: TokenEvent | Delta) -> Accepted | None:
         start, ids, have = event.token_offset, event.token_ids, len(self.token_ids)
         if start > have:
             return self._fail(f"tokens {have}..{start - 1} never arrived (attempt {event.attempt})")

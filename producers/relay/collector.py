@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from schemas import token_batch
 from schemas.events import TokenEvent, TokenUsage
 from schemas.token_stream import TokenStream
 
@@ -75,7 +76,7 @@ class StreamCollector:
     def duplicates(self) -> int:
         return self.stream.duplicates
 
-    def put(self, event: TokenEvent) -> bool:
+    def put(self, event: TokenEvent | token_batch.Delta) -> bool:
         """Merge one token event; False when it was ignored (duplicate, stale, or after the end)."""
         was_ended = self.stream.ended
         accepted = self.stream.put(event)

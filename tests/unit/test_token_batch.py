@@ -10,7 +10,7 @@ import pytest
 from schemas.codec import EventCodec, codec_for, schema_versions
 from schemas.errors import DecodeError
 from schemas.events import TokenEvent
-from schemas.token_batch import DELTA_FIELDS, SHARED, Delta, may_carry, pack, unpack
+from schemas.token_batch import DELTA_FIELDS, SHARED, Delta, events, may_carry, pack
 from schemas.token_stream import TokenStream
 from tests.helpers import token_event
 
@@ -23,11 +23,20 @@ def _step(seq: int, *request_ids: str) -> list[TokenEvent]:
 
 def test_a_packed_record_round_trips_to_the_same_events_in_order() -> None:
     codec = codec_for(TokenEvent)
-    events = _step(3, "req-a", "req-b", "req-c")
-    decoded = codec.decode_dict(codec.encode_dict(pack(events)))
-    back = [TokenEvent.model_validate(fields) for fields in unpack(decoded)]
-    assert back == events
-    assert codec.decode(codec.encode_dict(pack(events))).split() == events  # the model's own split agrees
+    step = _step(3, "req-a", "req-b", "req-c")
+    decoded = codec.decode_dict(codec.encode_dict(pack(step)))
+    back = list(events(decoded))
+    assert all(isinstance(each, Delta) for each in back)  # deltas are not validated again (the relay's hot path)
+    assert [each.event() for each in back if isinstance(each, Delta)] == step
+    assert codec.decode(codec.encode_dict(pack(step))).split() == step  # the model's own split agrees
+
+
+def test_a_final_is_read_as_a_validated_event() -> None:
+    codec = codec_for(TokenEvent)
+    final = token_event("req-a", 4, "", final=True)
+    (back,) = events(codec.decode_dict(codec.encode(final)))
+    assert isinstance(back, TokenEvent)
+    assert back == final
 
 
 def test_a_delta_has_the_fields_of_a_packed_delta_then_those_its_record_shares() -> None:
@@ -78,9 +87,9 @@ def test_the_merge_of_packed_records_equals_the_merge_of_one_record_per_delta() 
     single = [e for step in steps for e in step]
     for rid in ("req-a", "req-b"):
         merged = []
-        for events in (packed, single):
+        for read in (packed, single):
             stream, text = TokenStream(rid), ""
-            for event in events:
+            for event in read:
                 if event.request_id == rid and (accepted := stream.put(event)) is not None:
                     text += accepted.text
             merged.append((text, list(stream.token_ids), stream.error))
