@@ -239,6 +239,8 @@ def relay(
                                         "other (2: one record per request per step, 3: one per step)."),
     gateway_processes: int = typer.Option(1, help="B, C: the gateway's processes (kns gateway --processes)."),
     pin: bool = typer.Option(True, help="B, C: the gateway on a core of its own, the load on the others."),
+    source: str = typer.Option("worker", help="B: what writes the token records: worker (synthetic engine) or "
+                               "tokens (bench.token_source: the same records at a fraction of the load's CPU)."),
     held: int = typer.Option(0, help="C: idle-heavy streams held open at once (0: no part C)."),
     held_tokens: int = typer.Option(60, help="C: tokens per held stream."),
     held_rate: float = typer.Option(1.0, help="C: tokens per second per held stream."),
@@ -266,7 +268,8 @@ def relay(
 
         runs = [uvloop.run(stream_capacity(settings, level, tokens, rate, ttft_limit_ms / 1000, itl_limit_ms / 1000,
                                            lambda m: console.print(f"[dim]•[/dim] {m}"), record_version=int(v),
-                                           gateway_processes=gateway_processes, placement=placement))
+                                           gateway_processes=gateway_processes, placement=placement,
+                                           source=source))
                 for v in record_versions.split(",")] if level else []
         if held:
             runs.append(uvloop.run(stream_capacity(

@@ -36,6 +36,9 @@ from schemas.token_batch import pack
 from schemas.topics import TOPICS
 
 WORKER_PORT = 8120
+#: what writes the token records in part B
+SOURCES = {"worker": "synthetic-engine workers (ops.cli worker)",
+           "tokens": "bench.token_source: the workers' TokenSink on one clock, no intake, engine or finalizer"}
 
 
 async def demux_capacity(settings: Settings, events: int, requests: int, per_record: int = 1) -> dict[str, Any]:
@@ -110,10 +113,16 @@ class Placement:
 async def stream_capacity(settings: Settings, levels: list[int], tokens: int, rate: float, ttft_limit_s: float,
                           itl_limit_s: float, report: Any, record_version: int = 3, ramp_s: float = 0.0,
                           gateway_processes: int = 1, placement: Placement = Placement(), workers: int = 1,
-                          max_seqs: int | None = None) -> dict[str, Any]:
+                          max_seqs: int | None = None, source: str = "worker") -> dict[str, Any]:
     """``record_version``: the worker's token records (2: one per request per step, 3: one per step);
     ``ramp_s``: each level's streams start evenly over this long (0: at once); ``max_seqs``: the sequences each
-    (synthetic) worker runs at once (default: the highest level, so that the worker never queues)."""
+    (synthetic) worker runs at once (default: the highest level, so that the worker never queues); ``source``:
+    ``worker`` (synthetic-engine workers) or ``tokens`` (``bench.token_source`` in their place: the same records
+    at a fraction of the load core's CPU, for what the gateway relays)."""
+    if source not in SOURCES:
+        raise ValueError(f"source: one of {', '.join(SOURCES)}")
+    if source == "tokens" and (workers != 1 or record_version != 3):
+        raise ValueError("the token source stands in for one worker writing v3 records")
     namespace = f"bench-relay-{uuid.uuid4().hex[:6]}"
     port = 8020
     secret, procs = await pipeline(settings, namespace=namespace, gateway_port=port, worker_port=WORKER_PORT,
@@ -125,10 +134,13 @@ async def stream_capacity(settings: Settings, levels: list[int], tokens: int, ra
                                               "KNS_ENGINE__SYNTHETIC_MAX_SEQS": str(max_seqs or max(levels)),
                                               "KNS_WORKER__TOKEN_RECORD_VERSION": str(record_version),
                                               "KNS_OBSERVABILITY__LOG_LEVEL": "WARNING"})
+    if source == "tokens":
+        procs = [_token_source(procs[-1].env, rate, placement.load_cpus), procs[-1]]
     metrics_ports = [port + 50 + i for i in range(gateway_processes)] if gateway_processes > 1 else [port]
     infra = infra_pids(settings)
     out: dict[str, Any] = {"tokens_per_stream": tokens, "tokens_per_s_per_stream": rate, "ramp_s": ramp_s,
                            "record_version": record_version, "gateway_processes": gateway_processes,
+                           "source": SOURCES[source],
                            "workers": workers, "placement": placement.describe(),
                            "limits": {"ttft_p99_s": ttft_limit_s, "itl_p99_s": itl_limit_s}, "levels": []}
     try:
@@ -158,6 +170,11 @@ async def stream_capacity(settings: Settings, levels: list[int], tokens: int, ra
             proc.stop()
         if placement.load_cpus:
             pin_threads(infra, os.sched_getaffinity(0))
+
+
+def _token_source(env: dict[str, str], rate: float, cpus: str) -> Proc:
+    return Proc("relay-source", [*pinned(cpus), sys.executable, "-m", "bench.token_source", str(WORKER_PORT),
+                                 str(rate)], env, f"http://127.0.0.1:{WORKER_PORT}/health")
 
 
 async def _level(n: int, tokens: int, rate: float, ramp_s: float, secret: str, model: str, port: int,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from bench.compare import aggregate, ratios
@@ -133,3 +135,51 @@ async def test_the_capacity_clients_sse_reader_times_content_chunks_that_carry_e
     finally:
         server.close()
     assert result.ok and result.ttft is not None and len(result.itl) == 1 and result.output_tokens == 2
+
+
+async def _serve_once(response: bytes, piece: int) -> tuple[asyncio.Server, int]:
+    """A server that answers one request with ``response``, written ``piece`` bytes at a time."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        for i in range(0, len(response), piece):
+            writer.write(response[i:i + piece])
+            await writer.drain()
+            await asyncio.sleep(0)
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def test_the_capacity_clients_reader_finds_events_split_anywhere_between_reads() -> None:
+    """The client splits events on raw bytes (no chunked decoding): a read may end anywhere, in the headers, a
+    chunk's size line or an event."""
+    from bench.sse_client import stream
+
+    events = [b'id: r:0\ndata: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n',
+              *(b'id: r:%d\ndata: {"choices":[{"delta":{"content":" t%d"}}]}\n\n' % (i, i) for i in range(1, 6)),
+              b'id: r:7\ndata: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":5}}\n\n',
+              b"data: [DONE]\n\n"]
+    response = (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n")
+    for piece in (3, 7, 50):
+        server, port = await _serve_once(response, piece)
+        try:
+            result = await stream(f"http://127.0.0.1:{port}/v1", "k", {"model": "m"}, 0, 0.0)
+        finally:
+            server.close()
+        assert result.ok and result.error is None, (piece, result)
+        assert result.ttft is not None and len(result.itl) == 4 and result.output_tokens == 5, (piece, result)
+
+
+async def test_the_capacity_clients_reader_reports_a_refusal_with_its_body() -> None:
+    from bench.sse_client import stream
+
+    body = b'{"error":{"message":"Rate limit reached","type":"rate_limit_error"}}'
+    server, port = await _serve_once(b"HTTP/1.1 429 Too Many Requests\r\ncontent-length: %d\r\n\r\n%s"
+                                     % (len(body), body), 10)
+    try:
+        result = await stream(f"http://127.0.0.1:{port}/v1", "k", {"model": "m"}, 0, 0.0)
+    finally:
+        server.close()
+    assert not result.ok and result.status == 429 and "Rate limit reached" in (result.error or "")
