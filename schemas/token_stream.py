@@ -94,7 +94,15 @@ class TokenStream:
                 return self._fail(f"attempt {event.attempt} finished at token {start + len(ids)}, before the "
                                   f"{have} tokens already sent")
             return Accepted("", 0)
-        self.token_ids.extend(ids)
+        try:
+            self.token_ids.extend(ids)
+        except (OverflowError, TypeError):
+            # Avro's int is 32-bit, but fastavro bounds it neither on write nor on read: a bad writer's id decodes
+            # to any int. This stream ends (the array kept what came before the bad id: dropped), not its reader.
+            del self.token_ids[have:]
+            self.fail(f"token ids of attempt {event.attempt} are not the schema's 32-bit ints",
+                      ErrorCode.UNDECODABLE_EVENT)
+            return None
         return Accepted(event.text, len(ids))
 
     def _fail(self, reason: str) -> Accepted | None:
