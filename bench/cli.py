@@ -239,6 +239,8 @@ def relay(
                                         "other (2: one record per request per step, 3: one per step)."),
     gateway_processes: int = typer.Option(1, help="B, C: the gateway's processes (kns gateway --processes)."),
     pin: bool = typer.Option(True, help="B, C: the gateway on a core of its own, the load on the others."),
+    streams_ramp_s: float = typer.Option(0.0, help="B: each level's streams start evenly over this long (0: at "
+                                         "once)."),
     source: str = typer.Option("worker", help="B: what writes the token records: worker (synthetic engine) or "
                                "tokens (bench.token_source: the same records at a fraction of the load's CPU)."),
     held: int = typer.Option(0, help="C: idle-heavy streams held open at once (0: no part C)."),
@@ -255,7 +257,7 @@ def relay(
     settings = load_settings()
     placement = Placement.split() if pin else Placement()
     level = [n for n in level if n > 0]  # --streams 0: no part B
-    console.print(f"[dim]placement: {placement.describe()}[/dim]")
+    console.print(f"[dim]placement: {placement.describe()}; token records from: {source}[/dim]")
     packed = asyncio.run(demux_capacity(settings, events, requests, per_record=256))
     single = asyncio.run(demux_capacity(settings, events, requests, per_record=1))
     result: dict[str, Any] = {"demux": packed, "demux_one_per_record": single}
@@ -269,7 +271,7 @@ def relay(
         runs = [uvloop.run(stream_capacity(settings, level, tokens, rate, ttft_limit_ms / 1000, itl_limit_ms / 1000,
                                            lambda m: console.print(f"[dim]•[/dim] {m}"), record_version=int(v),
                                            gateway_processes=gateway_processes, placement=placement,
-                                           source=source))
+                                           ramp_s=streams_ramp_s, source=source))
                 for v in record_versions.split(",")] if level else []
         if held:
             runs.append(uvloop.run(stream_capacity(
