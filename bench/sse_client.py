@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import cast
 from urllib.parse import urlparse
 
 import orjson
@@ -34,8 +35,8 @@ class _Stream(asyncio.Protocol):
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        transport.write(self._request)
+        # a TCP transport (uvloop's is no subclass of asyncio's classes: no isinstance here)
+        cast(asyncio.WriteTransport, transport).write(self._request)
 
     def data_received(self, data: bytes) -> None:
         now = time.perf_counter()
