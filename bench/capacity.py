@@ -130,6 +130,23 @@ def _gateway_cpu_levels() -> tuple[list[tuple[float, float, float]], list[str]]:
     return [], []
 
 
+def _streams_per_process() -> int:
+    """Streams one gateway process held within the limits: the newest idle-heavy run (``--held``: what chat
+    traffic is), else the busiest part-B level of the newest file that has one within them (a part-B run of a few
+    busy streams says nothing of how many idle ones a process holds, so it never hides an idle-heavy result)."""
+    results = [json.loads(path.read_text()) for path in _newest("relay")]
+    for data in results:
+        held = data.get("held")
+        if held and held.get("max_streams_within_limits"):
+            return int(held["max_streams_within_limits"] // held.get("gateway_processes", 1))
+    for data in results:
+        streams = max((run.get("max_streams_within_limits", 0) // run.get("gateway_processes", 1)
+                       for run in data.get("stream_runs") or []), default=0)
+        if streams:
+            return int(streams)
+    return 0
+
+
 def measured() -> Measured:
     rows, relay_files = _gateway_cpu_levels()
     if not rows:
@@ -139,17 +156,7 @@ def measured() -> Measured:
     (per_request, per_event), *_ = np.linalg.lstsq(a, b, rcond=None)
     if per_request <= 0 or per_event <= 0:  # levels too alike to separate the two: all of it per event
         per_request, per_event = 0.0, float(b.sum() / a[:, 1].sum())
-    streams = 0
-    for path in _newest("relay"):
-        data = json.loads(path.read_text())
-        held = data.get("held")
-        if held and held.get("max_streams_within_limits"):
-            streams = held["max_streams_within_limits"] // held.get("gateway_processes", 1)
-            break
-        for run in data.get("stream_runs") or []:
-            streams = max(streams, run.get("max_streams_within_limits", 0) // run.get("gateway_processes", 1))
-        if streams:
-            break
+    streams = _streams_per_process()
     transport = json.loads(_newest("transport")[0].read_text())
     v3 = max((r for r in transport["rows"] if r["version"] == 3), key=lambda r: r["concurrency"])
     return Measured(float(per_request), float(per_event), streams, v3["records_per_token"], v3["bytes_per_token"],

@@ -61,3 +61,12 @@ def test_the_report_is_written_between_the_markers_only(results: Path, tmp_path:
     text = doc.read_text()
     assert text.startswith("# prose\n") and text.endswith("more prose\n") and "STALE SECTION" not in text
     assert "| seeds' peak" in text and text.count(capacity.BEGIN) == 1
+
+
+def test_a_newer_run_of_busy_streams_does_not_hide_the_idle_heavy_streams_held(results: Path) -> None:
+    """A later ``kns bench relay`` of a few hundred busy streams (part B only) says nothing of how many idle
+    streams a process holds: the newest ``--held`` result still sets it (it read 250 instead of 10,000)."""
+    busy = {"record_version": 3, "gateway_processes": 1, "levels": [relay_level(250, 500_000, 9.0)],
+            "max_streams_within_limits": 250}
+    (results / "relay-20261125T000000.json").write_text(json.dumps({"stream_runs": [busy]}))
+    assert capacity.measured().streams_per_gateway == 1500
