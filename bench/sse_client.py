@@ -63,7 +63,10 @@ class _Stream(asyncio.Protocol):
                 result.itl.append(now - self._last)
             self._last = now
         elif b"data: [DONE]" in event:
-            result.ok = True
+            result.ok = result.error is None  # a failed stream ends with its error event, then [DONE] all the same
+        elif b'"error":{' in event:  # the gateway's error event (a text's quotes are escaped: never this)
+            error = orjson.loads(event[event.index(b"data: ") + 6:])["error"]
+            result.error = f"{error.get('code')}: {error.get('message')}"
         elif b'"usage":{' in event:
             result.output_tokens = orjson.loads(event[event.index(b"data: ") + 6:])["usage"]["completion_tokens"]
 
@@ -74,7 +77,7 @@ class _Stream(asyncio.Protocol):
             result.error = f"{type(exc).__name__}: {exc}"
         elif result.status is not None and result.status != 200:
             result.error = self._body.decode(errors="replace")
-        elif not result.ok:
+        elif not result.ok and result.error is None:
             result.error = "stream ended without [DONE]"
         if not self.closed.done():
             self.closed.set_result(None)
