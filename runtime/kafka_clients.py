@@ -156,6 +156,9 @@ async def read_to_end(kafka: KafkaSettings, topic: str, codec: EventCodec[E], *,
         await consumer.seek_to_beginning(*partitions)
         ends = await consumer.end_offsets(partitions)
         out = []
+        #: the next offset each partition takes: a record handed out twice (a fetch from before the seek) is skipped,
+        #: or an audit would count it twice
+        taken: dict[TopicPartition, int] = {}
         idle = 0
         while idle < 3:
             batch = await consumer.getmany(timeout_ms=300)
@@ -168,6 +171,9 @@ async def read_to_end(kafka: KafkaSettings, topic: str, codec: EventCodec[E], *,
             idle = 0
             for tp, records in batch.items():
                 for record in records:
+                    if record.offset < taken.get(tp, 0):
+                        continue
+                    taken[tp] = record.offset + 1
                     try:
                         event = codec.decode(record.value or b"")
                     except DecodeError:

@@ -48,9 +48,11 @@ async def test_an_undecodable_token_event_ends_its_stream_at_once_and_is_dead_le
 
         async def dead_lettered() -> list:  # type: ignore[type-arg]
             rows = await read_topic(kafka, kafka.topic(TOPICS.dead_letter.name), Raw)  # type: ignore[arg-type]
-            return [dict(h) for _, _, value, h in rows if value == future]
+            return [(tp.partition, offset, dict(h)) for tp, offset, value, h in rows if value == future]
 
-        (headers,) = await wait_for(dead_lettered, timeout_s=10)
+        found = await wait_for(dead_lettered, timeout_s=10)
+        assert len(found) == 1, f"dead-lettered once, found at (partition, offset): {[f[:2] for f in found]}"
+        ((_, _, headers),) = found
         assert headers["processor"] == b"gateway" and headers["source-partition"] == str(PARTITION).encode()
     finally:
         await relay.stop()
