@@ -133,6 +133,8 @@ def compare_command(
     input_len: int = typer.Option(128, help="Prompt words."),
     output_len: int = typer.Option(64, help="Output tokens (ignore_eos on both sides)."),
     referee: bool = typer.Option(True, help="Also run vLLM's own `vllm bench serve` against both."),
+    vllm_server_nice: int = typer.Option(0, min=0, max=19, help="Renice vLLM's API server process (not its "
+                                         "engine) to this level, as ours yield (cpu.yield_nice): a control."),
 ) -> None:
     """Our full pipeline vs vLLM's own OpenAI server: same model, same engine arguments, alternating rounds."""
     from bench.compare import compare
@@ -152,7 +154,8 @@ def compare_command(
     except WorkloadError as exc:
         raise typer.BadParameter(str(exc)) from exc
     results, runs = asyncio.run(compare(settings, concurrencies=concurrency, rounds=rounds, shape=shape,
-                                        with_referee=referee, report=lambda m: console.print(f"[dim]•[/dim] {m}")))
+                                        with_referee=referee, vllm_server_nice=vllm_server_nice,
+                                        report=lambda m: console.print(f"[dim]•[/dim] {m}")))
     show_comparison(results)
     path = save("compare", results)
     png = plot_runs(runs, path.with_suffix(".png"), "ours vs vLLM's server (all rounds)")

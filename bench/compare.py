@@ -19,12 +19,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.cpu import CpuMeter
+from bench.cpu import CpuMeter, nice_levels
 from bench.loadgen import Run, Target, plan, run_load
 from bench.servers import Side, infra_pids, our_side, vllm_side
 from bench.stages import means_ms, scrape
 from bench.workload import Shape, items
 from ops.stack.manager import StackManager
+from runtime.cpu_priority import renice
 from runtime.settings import REPO_ROOT, Settings
 
 Report = Callable[[str], None]
@@ -111,8 +112,8 @@ def referee(side: Side, settings: Settings, concurrency: int, shape: Shape) -> d
 
 
 async def compare(settings: Settings, *, concurrencies: list[int], rounds: int, shape: Shape, with_referee: bool,
-                  report: Report, gateway_port: int = 8010, worker_port: int = 8110, vllm_port: int = 8300
-                  ) -> tuple[dict[str, Any], list[Run]]:
+                  report: Report, gateway_port: int = 8010, worker_port: int = 8110, vllm_port: int = 8300,
+                  vllm_server_nice: int = 0) -> tuple[dict[str, Any], list[Run]]:
     report("making sure Kafka, Cassandra and Redis are up")
     await StackManager(settings).up(app=False)
     ours = await our_side(settings, gateway_port, worker_port, namespace="bench-compare")
@@ -129,6 +130,9 @@ async def compare(settings: Settings, *, concurrencies: list[int], rounds: int, 
             for proc in side.procs:
                 proc.start()
             await asyncio.gather(*(proc.wait() for proc in side.procs))
+        if vllm_server_nice and (pid := theirs.procs[0].pid):
+            renice(pid, vllm_server_nice)  # its API server's threads; the engine's processes keep theirs
+        nice = nice_levels({**{p.name: p.pid for p in procs if p.pid}, **infra})
         for side in sides:
             await _warm(side, settings.model.served_name)
         per: dict[int, dict[str, list[dict[str, Any]]]] = {}
@@ -151,7 +155,7 @@ async def compare(settings: Settings, *, concurrencies: list[int], rounds: int, 
                         summary["stages_ms"] = means_ms(stages_before, await scrape(side.metrics_urls))
                     per[c][side.label].append(summary)
         results: dict[str, Any] = {"shape": shape.__dict__, "sides": {s.label: s.description for s in sides},
-                                   "concurrency": {}}
+                                   "nice_levels": nice, "concurrency": {}}
         for c, by_side in per.items():
             agg = {label: aggregate(summaries) for label, summaries in by_side.items()}
             results["concurrency"][str(c)] = {**agg, "ours_vs_vllm": ratios(agg["ours"], agg["vllm"]),

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
+
+from runtime.cpu_priority import thread_nice_levels
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -57,3 +60,15 @@ class CpuMeter:
                 key = f"{label}:{name}" if child != pid else label
                 out[key] = round(out.get(key, 0.0) + used, 3)
         return out
+
+
+def nice_levels(roots: dict[str, int]) -> dict[str, list[int]]:
+    """The nice levels the threads of each named process tree run at, per process (``label:name``, as
+    :class:`CpuMeter` names them): which side's processes yielded the CPU to the engine's."""
+    out: dict[str, set[int]] = {}
+    for label, root in roots.items():
+        for pid, (name, _) in tree(root).items():
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                out.setdefault(label if pid == root else f"{label}:{name}", set()).update(
+                    thread_nice_levels(pid).values())
+    return {key: sorted(levels) for key, levels in out.items()}

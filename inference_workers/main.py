@@ -17,6 +17,7 @@ from inference_workers.protocol import EngineClient, EngineDeadError
 from inference_workers.synthetic import SyntheticEngine, engine_phase
 from inference_workers.worker import Worker
 from runtime import gc_pauses
+from runtime.cpu_priority import yield_to_engines
 from runtime.logs import configure_logging
 from runtime.reaper import start_reaper
 from runtime.settings import Settings, load_settings
@@ -32,6 +33,8 @@ async def serve(settings: Settings) -> None:
         engine = SyntheticEngine(settings.engine, phase=engine_phase(settings.worker.instance_id))
     else:
         engine = VllmEngine.start(settings.model, settings.engine)
+    # Only now: the engine's processes, started above, keep nice 0 (a thread inherits its creator's level).
+    yield_to_engines(settings.cpu.yield_nice, "worker")
     worker = Worker(settings, engine)
     gc_pauses.watch()
     gc_pauses.freeze_startup()

@@ -439,6 +439,15 @@ class StackSettings(BaseModel):
         return self.root / "dev-admin-key"
 
 
+class CpuSettings(BaseModel):
+    """How the platform's processes share a host's cores with an inference engine (``runtime/cpu_priority.py``)."""
+
+    #: the nice level of our processes beside the engine (the gateway, the processors, a worker's own threads
+    #: once its engine runs, the local stack's Kafka, Cassandra and Redis); the engine's processes stay at 0, so
+    #: a step of the engine never waits for a core behind the relaying of the last one. 0: everything at 0.
+    yield_nice: int = Field(default=10, ge=0, le=19)
+
+
 class ObservabilitySettings(BaseModel):
     log_level: str = "INFO"
     json_logs: bool = True
@@ -458,6 +467,7 @@ class Settings(BaseSettings):
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
     stack: StackSettings = Field(default_factory=StackSettings)
     observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
+    cpu: CpuSettings = Field(default_factory=CpuSettings)
     processors: ProcessorSettings = Field(default_factory=ProcessorSettings)
     safety: SafetySettings = Field(default_factory=SafetySettings)
     abuse: AbuseSettings = Field(default_factory=AbuseSettings)

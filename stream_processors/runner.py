@@ -15,6 +15,7 @@ import logging
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+from runtime.cpu_priority import yield_to_engines
 from runtime.logs import configure_logging
 from runtime.settings import load_settings
 from runtime.supervisor import exec_supervisor
@@ -41,6 +42,7 @@ def work(name: str) -> None:
 
     settings = load_settings()
     configure_logging(settings.observability, service=f"processor-{name}")
+    yield_to_engines(settings.cpu.yield_nice, f"processor-{name}")
     app: ProcessorApp = importlib.import_module(PROCESSORS[name]).build(settings)
     # On a thread of its own: the Faust worker owns this thread's event loop from here on.
     with ThreadPoolExecutor(1) as pool:

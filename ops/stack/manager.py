@@ -93,7 +93,11 @@ class StackManager:
         if pid_file.live_pid() is not None:
             return False
         service.prepare()
-        spawn(service.command(), log_file=service.log_file, pid_file=pid_file, env=service.env(), cwd=REPO_ROOT)
+        command = service.command()
+        nice = self.settings.cpu.yield_nice
+        if service.infra and nice:  # the broker and the stores yield to an engine on this host, as our services do
+            command = ["nice", "-n", str(nice), *command]
+        spawn(command, log_file=service.log_file, pid_file=pid_file, env=service.env(), cwd=REPO_ROOT)
         return True
 
     async def _wait_healthy(self, service: Service) -> None:

@@ -11,6 +11,7 @@ from fastapi import FastAPI
 
 from producers.gateway.app import create_app
 from producers.gateway.service import HandedOver
+from runtime.cpu_priority import yield_to_engines
 from runtime.logs import configure_logging
 from runtime.settings import load_settings
 
@@ -58,6 +59,7 @@ def bound_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket:
 def run() -> None:
     settings = load_settings()
     configure_logging(settings.observability, service="gateway")
+    yield_to_engines(settings.cpu.yield_nice, "gateway")
     logging.getLogger("uvicorn.error").addFilter(_HandoverFilter())
     app = create_app(settings)
     own = settings.gateway
