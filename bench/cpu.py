@@ -6,7 +6,7 @@ import contextlib
 import os
 from pathlib import Path
 
-from runtime.cpu_priority import thread_nice_levels
+from runtime.cpu_priority import autogroup_nice, thread_nice_levels
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -71,4 +71,6 @@ def nice_levels(roots: dict[str, int]) -> dict[str, list[int]]:
             with contextlib.suppress(FileNotFoundError, ProcessLookupError):
                 out.setdefault(label if pid == root else f"{label}:{name}", set()).update(
                     thread_nice_levels(pid).values())
+        if (session := autogroup_nice(root)) is not None:  # what the scheduler weighs first (runtime/cpu_priority)
+            out[f"{label} (autogroup)"] = {session}
     return {key: sorted(levels) for key, levels in out.items()}

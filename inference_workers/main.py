@@ -34,7 +34,7 @@ async def serve(settings: Settings) -> None:
     else:
         engine = VllmEngine.start(settings.model, settings.engine)
     # Only now: the engine's processes, started above, keep nice 0 (a thread inherits its creator's level).
-    yield_to_engines(settings.cpu.yield_nice, "worker")
+    yield_to_engines(settings.cpu.yield_nice, "worker", session=False)  # its session holds the engine
     worker = Worker(settings, engine)
     gc_pauses.watch()
     gc_pauses.freeze_startup()

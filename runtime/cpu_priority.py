@@ -3,13 +3,22 @@
 On a host where the engine shares cores with the rest (a CPU host; a GPU host's engine core, the one thread that
 keeps the GPU fed), every step of the engine waits for a core at the moment our processes wake to relay the
 previous step's tokens: the worker's loop, the Kafka broker, the gateway. At equal priority the scheduler lets
-them finish first, and each step is late by their work (measured here: +1.5 ms on a 52 ms step at c=1,
-DEVELOPERS.md "vLLM on the CPU"). So our processes run at a higher nice level and the engine's at 0: when both
-want a core, the engine gets it; when it does not, nothing is slower.
+them finish first, and each step is late by their work (measured here: ITL p50 +0.65 to +1.5 ms against vLLM's
+server at c=1, DEVELOPERS.md "vLLM on the CPU"). So our processes run at a higher nice level and the engine's at
+0: when both want a core, the engine gets it; when it does not, nothing is slower.
 
-Linux keeps a nice level per thread, and a new thread or process starts at its creator's: renicing every thread
-of a process covers what it starts later too. That is also why the worker yields only once its engine runs: the
-engine's processes, started before, keep 0. Raising one's own nice needs no privilege; lowering it back does.
+Two levels count, and both are raised, never lowered (a process started at a higher level keeps it):
+
+* each thread's: Linux keeps a nice level per thread, and a new thread or process starts at its creator's. So
+  :func:`renice` walks ``/proc/<pid>/task``, and the worker yields only once its engine runs: the engine's
+  processes, spawned before, keep 0.
+* its session's: with ``kernel.sched_autogroup_enabled`` (and no CPU cgroup of its own) the scheduler first
+  shares the CPU between sessions, each at its *autogroup*'s nice level, and a thread's level counts only against
+  threads of its own session. A service alone in its session (the stack starts each in one of its own) yields
+  its autogroup too (:func:`yield_session`); the worker's session holds its engine, so it never does. Under
+  cgroups (containers, systemd units) the cgroups' CPU weights decide between services instead.
+
+Best effort: a kernel or sandbox that refuses leaves the levels as they were, and the service serves on.
 """
 
 from __future__ import annotations
@@ -20,40 +29,83 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+#: passes over a process's threads: a thread started during a pass by one not reniced yet is caught by the next
+_PASSES = 3
+
 
 def renice(pid: int, nice: int) -> int:
-    """Set every thread of process ``pid`` to ``nice`` (those it can: a thread gone meanwhile, or one above
-    ``nice`` without the privilege to lower it, keeps its own). Returns how many threads now run at ``nice``."""
-    done = 0
+    """Raise every thread of process ``pid`` to at least ``nice`` (one above it keeps its own). Returns how many
+    threads run at ``nice`` or above (0: the process is gone, or nothing could be changed)."""
+    at_least = 0
+    for _ in range(_PASSES):
+        raised, at_least = 0, 0
+        for tid in _threads(pid):
+            try:
+                if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+                    os.setpriority(os.PRIO_PROCESS, tid, nice)
+                    raised += 1
+                at_least += 1
+            except OSError:  # gone meanwhile, refused (EPERM, EACCES, a sandbox's ENOSYS): left as it is
+                continue
+        if not raised:
+            break
+    return at_least
+
+
+def yield_session(pid: int, nice: int) -> bool:
+    """Raise the autogroup of ``pid``'s session to at least ``nice``. False where there is none to raise (no
+    autogroup scheduling, another owner's process, a refusal)."""
+    path = Path(f"/proc/{pid}/autogroup")
     try:
-        tids = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
-    except (FileNotFoundError, ProcessLookupError):
-        return 0
-    for tid in tids:
-        try:
-            if os.getpriority(os.PRIO_PROCESS, tid) != nice:
-                os.setpriority(os.PRIO_PROCESS, tid, nice)
-            done += 1
-        except (ProcessLookupError, PermissionError):
-            continue
-    return done
+        current = autogroup_nice(pid)
+        if current is None:
+            return False
+        if current < nice:
+            path.write_text(str(nice))
+        return True
+    except OSError:
+        return False
 
 
-def yield_to_engines(nice: int, service: str) -> None:
-    """This process, every thread of it, at ``nice`` (0: left as it is)."""
+def autogroup_nice(pid: int) -> int | None:
+    """The nice level of ``pid``'s autogroup ("/autogroup-42 nice 10"); None without autogroup scheduling."""
+    try:
+        return int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def yield_to_engines(nice: int, service: str, *, session: bool) -> None:
+    """This process, every thread of it, at ``nice`` or above (0: left as it is); with ``session``, its session's
+    autogroup too, when the session is its own or its supervisor's (one started in a shell's session would nice
+    whatever else that shell runs). Never raises."""
     if nice <= 0:
         return
-    threads = renice(os.getpid(), nice)
-    log.info("yielding the CPU to the engine", extra={"service": service, "nice": nice, "threads": threads})
+    try:
+        threads = renice(os.getpid(), nice)
+        leader = os.getsid(0)
+        grouped = session and leader in (os.getpid(), os.getppid()) and yield_session(os.getpid(), nice)
+    except OSError as exc:
+        log.warning("could not yield the CPU to the engine", extra={"service": service, "reason": repr(exc)})
+        return
+    log.info("yielding the CPU to the engine", extra={"service": service, "nice": nice, "threads": threads,
+                                                      "session": grouped})
 
 
 def thread_nice_levels(pid: int) -> dict[int, int]:
     """The nice level of each thread of ``pid`` (from ``/proc``: field 19 of each thread's stat)."""
     levels = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
+    for tid in _threads(pid):
         try:
-            stat = (task / "stat").read_text()
-        except (FileNotFoundError, ProcessLookupError):
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
             continue
-        levels[int(task.name)] = int(stat.rsplit(")", 1)[1].split()[16])
+        levels[tid] = int(stat.rsplit(")", 1)[1].split()[16])
     return levels
+
+
+def _threads(pid: int) -> list[int]:
+    try:
+        return [int(task.name) for task in Path(f"/proc/{pid}/task").iterdir()]
+    except OSError:
+        return []

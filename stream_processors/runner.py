@@ -42,7 +42,7 @@ def work(name: str) -> None:
 
     settings = load_settings()
     configure_logging(settings.observability, service=f"processor-{name}")
-    yield_to_engines(settings.cpu.yield_nice, f"processor-{name}")
+    yield_to_engines(settings.cpu.yield_nice, f"processor-{name}", session=True)
     app: ProcessorApp = importlib.import_module(PROCESSORS[name]).build(settings)
     # On a thread of its own: the Faust worker owns this thread's event loop from here on.
     with ThreadPoolExecutor(1) as pool:

@@ -9,6 +9,7 @@ first, and deletes data only when asked.
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import subprocess
 import time
@@ -20,6 +21,7 @@ from ops.stack.jars import materialise_all
 from ops.stack.process import PidFile, dir_size, spawn, stop, tail
 from ops.stack.provision import provision
 from ops.stack.services import Service, StackError, all_services, port_open
+from runtime.cpu_priority import yield_session
 from runtime.settings import REPO_ROOT, Settings
 
 Report = Callable[[str], None]
@@ -93,11 +95,15 @@ class StackManager:
         if pid_file.live_pid() is not None:
             return False
         service.prepare()
-        command = service.command()
-        nice = self.settings.cpu.yield_nice
-        if service.infra and nice:  # the broker and the stores yield to an engine on this host, as our services do
-            command = ["nice", "-n", str(nice), *command]
-        spawn(command, log_file=service.log_file, pid_file=pid_file, env=service.env(), cwd=REPO_ROOT)
+        command, nice = service.command(), self.settings.cpu.yield_nice
+        # The broker and the stores yield to an engine on this host, as our services do themselves: each thread
+        # (``nice`` adds to this process's level) and the session the spawn gives them.
+        by = nice - os.getpriority(os.PRIO_PROCESS, 0)
+        if service.infra and by > 0:
+            command = ["nice", "-n", str(by), *command]
+        pid = spawn(command, log_file=service.log_file, pid_file=pid_file, env=service.env(), cwd=REPO_ROOT)
+        if service.infra and nice:
+            yield_session(pid, nice)
         return True
 
     async def _wait_healthy(self, service: Service) -> None:

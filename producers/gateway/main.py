@@ -59,7 +59,7 @@ def bound_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket:
 def run() -> None:
     settings = load_settings()
     configure_logging(settings.observability, service="gateway")
-    yield_to_engines(settings.cpu.yield_nice, "gateway")
+    yield_to_engines(settings.cpu.yield_nice, "gateway", session=True)
     logging.getLogger("uvicorn.error").addFilter(_HandoverFilter())
     app = create_app(settings)
     own = settings.gateway
