@@ -14,9 +14,12 @@ Two levels count, and both are raised, never lowered (a process started at a hig
   processes, spawned before, keep 0.
 * its session's: with ``kernel.sched_autogroup_enabled`` (and no CPU cgroup of its own) the scheduler first
   shares the CPU between sessions, each at its *autogroup*'s nice level, and a thread's level counts only against
-  threads of its own session. A service alone in its session (the stack starts each in one of its own) yields
-  its autogroup too (:func:`yield_session`); the worker's session holds its engine, so it never does. Under
-  cgroups (containers, systemd units) the cgroups' CPU weights decide between services instead.
+  threads of its own session. A service alone in its session yields its autogroup too (:func:`yield_session`).
+  Which session is its own, only the launcher knows: a supervisor or a fleet that leads a session of its own
+  (the stack, the bench and the tests start each service in one) names it in :data:`SESSION_ENV` for what it
+  starts (:func:`own_session_env`). A service started from a shell finds no such name (the shell's session holds
+  the shell's other jobs), and the worker never yields its session: it holds its engine. Under cgroups
+  (containers, systemd units) the cgroups' CPU weights decide between services instead.
 
 Best effort: a kernel or sandbox that refuses leaves the levels as they were, and the service serves on.
 """
@@ -25,12 +28,22 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 #: passes over a process's threads: a thread started during a pass by one not reniced yet is caught by the next
 _PASSES = 3
+#: the session id a supervisor or fleet gives what it starts when the session is its own (and so theirs)
+SESSION_ENV = "KNS_OWN_SESSION"
+#: without CAP_SYS_ADMIN the kernel takes one autogroup change per 100 ms, machine-wide (EAGAIN otherwise)
+_AUTOGROUP_RETRY_S, _AUTOGROUP_PATIENCE_S = 0.11, 2.0
+
+
+def own_session_env() -> dict[str, str]:
+    """What a launcher adds to the environment of the services it starts: its session, when it leads it."""
+    return {SESSION_ENV: str(os.getpid())} if os.getsid(0) == os.getpid() else {}
 
 
 def renice(pid: int, nice: int) -> int:
@@ -56,15 +69,23 @@ def yield_session(pid: int, nice: int) -> bool:
     """Raise the autogroup of ``pid``'s session to at least ``nice``. False where there is none to raise (no
     autogroup scheduling, another owner's process, a refusal)."""
     path = Path(f"/proc/{pid}/autogroup")
-    try:
+    deadline = time.monotonic() + _AUTOGROUP_PATIENCE_S
+    while True:
         current = autogroup_nice(pid)
         if current is None:
             return False
-        if current < nice:
+        if current >= nice:
+            return True
+        try:
             path.write_text(str(nice))
-        return True
-    except OSError:
-        return False
+            return True
+        except BlockingIOError:  # another change took the kernel's 100 ms
+            if time.monotonic() >= deadline:
+                log.warning("autogroup change refused for %.0f s", _AUTOGROUP_PATIENCE_S, extra={"pid": pid})
+                return False
+            time.sleep(_AUTOGROUP_RETRY_S)
+        except OSError:
+            return False
 
 
 def autogroup_nice(pid: int) -> int | None:
@@ -77,14 +98,13 @@ def autogroup_nice(pid: int) -> int | None:
 
 def yield_to_engines(nice: int, service: str, *, session: bool) -> None:
     """This process, every thread of it, at ``nice`` or above (0: left as it is); with ``session``, its session's
-    autogroup too, when the session is its own or its supervisor's (one started in a shell's session would nice
-    whatever else that shell runs). Never raises."""
+    autogroup too, when its launcher said the session is its own (:data:`SESSION_ENV`). Never raises."""
     if nice <= 0:
         return
     try:
         threads = renice(os.getpid(), nice)
-        leader = os.getsid(0)
-        grouped = session and leader in (os.getpid(), os.getppid()) and yield_session(os.getpid(), nice)
+        ours = os.environ.get(SESSION_ENV) == str(os.getsid(0))
+        grouped = session and ours and yield_session(os.getpid(), nice)
     except OSError as exc:
         log.warning("could not yield the CPU to the engine", extra={"service": service, "reason": repr(exc)})
         return

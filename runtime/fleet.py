@@ -24,6 +24,7 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
+from runtime.cpu_priority import own_session_env
 from runtime.supervisor import STOP_SIGNALS, die_with_parent
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ class Fleet:
     def _start(self, index: int, env: dict[str, str]) -> subprocess.Popen[bytes]:
         command = [sys.executable, "-m", "runtime.supervisor", f"{self.name}-{index}", "--", *self.argv]
         parent = self._pid
-        return subprocess.Popen(command, stdin=subprocess.DEVNULL, env=env, process_group=0,
+        return subprocess.Popen(command, stdin=subprocess.DEVNULL, env={**env, **own_session_env()}, process_group=0,
                                 preexec_fn=lambda: die_with_parent(parent, _HANDLED))
 
     def _signal_all(self, sig: int) -> None:

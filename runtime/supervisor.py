@@ -34,6 +34,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from runtime.cpu_priority import own_session_env
 from runtime.reaper import descendants, terminate
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class Supervisor:
     def _start(self) -> subprocess.Popen[bytes]:
         parent = self._pid
         child = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, process_group=0,
+                                 env={**os.environ, **own_session_env()},
                                  preexec_fn=lambda: die_with_parent(parent, _HANDLED))
         log.info("started the service", extra={"service_name": self.name, "pid": child.pid})
         return child

@@ -72,7 +72,8 @@ def test_a_yielding_process_alone_in_its_session_yields_its_autogroup() -> None:
     """The gateway and the processors run alone in their session (their supervisor leads it, started with
     ``start_new_session``) and have started nothing when they yield: their autogroup, what the engine's autogroup
     competes with, must be at ``nice``; threads at 10 inside an autogroup at 0 yield to nobody outside it."""
-    code = ("from runtime.cpu_priority import yield_to_engines; yield_to_engines(7, 'gateway', session=True); "
+    code = ("import os; from runtime.cpu_priority import SESSION_ENV, yield_to_engines; "
+            "os.environ[SESSION_ENV] = str(os.getsid(0)); yield_to_engines(7, 'gateway', session=True); "
             "print(open('/proc/self/autogroup').read(), flush=True)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True,
                          start_new_session=True).stdout
@@ -163,6 +164,7 @@ def test_a_yield_that_the_kernel_refuses_does_not_fail_the_service(monkeypatch: 
         raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
 
     monkeypatch.setattr(cpu_priority.os, "setpriority", refused)
+    monkeypatch.delenv(cpu_priority.SESSION_ENV, raising=False)  # never the test runner's own session
     monkeypatch.setattr(cpu_priority.os, "getpriority", lambda *_a: 0)
     cpu_priority.yield_to_engines(10, "gateway", session=True)  # must not raise: a tuning, not a condition to serve
 
