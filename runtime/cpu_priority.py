@@ -113,14 +113,13 @@ def yield_to_engines(nice: int, service: str, *, session: bool) -> None:
 
 
 def thread_nice_levels(pid: int) -> dict[int, int]:
-    """The nice level of each thread of ``pid`` (from ``/proc``: field 19 of each thread's stat)."""
+    """The nice level of each thread of ``pid``."""
     levels = {}
     for tid in _threads(pid):
         try:
-            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-        except OSError:
+            levels[tid] = os.getpriority(os.PRIO_PROCESS, tid)
+        except OSError:  # gone meanwhile
             continue
-        levels[tid] = int(stat.rsplit(")", 1)[1].split()[16])
     return levels
 
 

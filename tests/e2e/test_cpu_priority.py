@@ -5,12 +5,11 @@ yielded, and the worker's session stay at 0."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from bench.cpu import tree
 from runtime.cpu_priority import autogroup_nice, thread_nice_levels
+from runtime.reaper import read_proc
 from runtime.settings import Settings
 from tests.helpers import ServiceProcess
 
@@ -28,7 +27,9 @@ def levels(pid: int) -> set[int]:
 
 
 def parent(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    proc = read_proc(pid)
+    assert proc is not None
+    return proc.ppid
 
 
 def test_the_engine_keeps_its_priority_and_the_worker_yields(worker: ServiceProcess, stack: Settings) -> None:
