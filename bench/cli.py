@@ -11,12 +11,17 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from bench.common import save
+from bench.common import save, stop_cleanly_on_sigterm
 from runtime.settings import load_settings
 
 app = typer.Typer(help="Benchmarks (JSON results in bench/results/).", no_args_is_help=True)
 # Wide tables stay whole when the output goes to a file (a terminal keeps its own width).
 console = Console(width=None if sys.stdout.isatty() else 160)
+
+
+@app.callback()
+def _bench() -> None:
+    stop_cleanly_on_sigterm()
 
 
 @app.command("billing")
@@ -123,6 +128,8 @@ def load(
     path = save("load", run.as_json())
     png = plot_runs([run], path.with_suffix(".png"), f"load: {target.base_url}")
     console.print(f"[green]saved[/green] {path} and {png}")
+    if run.interrupted:
+        raise typer.Exit(130)  # what was measured is kept, but the run did not finish: never a success
 
 
 @app.command("compare")

@@ -6,14 +6,38 @@ import contextlib
 import json
 import os
 import platform as host_platform
+import signal
 import statistics
 import subprocess
+import sys
 import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 RESULTS = Path(__file__).parent / "results"
+
+
+def stop_cleanly_on_sigterm() -> None:
+    """Make SIGTERM (``kill``, a CI job's timeout) stop a benchmark as Ctrl-C does: Python's default dies at once,
+    without the ``finally`` blocks that stop the vLLM servers, workers and gateways the benchmark started."""
+    signal.signal(signal.SIGTERM, _as_ctrl_c)
+
+
+def _as_ctrl_c(signum: int, frame: FrameType | None) -> None:
+    # Only the first: a second SIGTERM (a CI cancel sends several) must not cut the cleanup short. Not SIG_IGN,
+    # which a process started during the cleanup would inherit.
+    signal.signal(signal.SIGTERM, _already_stopping)
+    on_ctrl_c = signal.getsignal(signal.SIGINT)
+    if callable(on_ctrl_c):
+        on_ctrl_c(signal.SIGINT, frame)  # asyncio.run's own: cancels the main task, whose finally blocks then run
+    else:
+        raise KeyboardInterrupt
+
+
+def _already_stopping(signum: int, frame: FrameType | None) -> None:
+    print("already stopping what the benchmark started", file=sys.stderr, flush=True)
 
 
 def machine() -> dict[str, Any]:

@@ -109,7 +109,10 @@ class EngineSettings(BaseModel):
     omp_num_threads: int | None = None
     #: seconds vLLM's engine processes spin after each message before they sleep (``inference_workers/vllm_plugin``;
     #: None: vLLM's own 1 s). CPU default 5 ms: a spinning engine core takes the core Kafka and the gateway need.
-    idle_spin_s: float | None = None
+    #: At least 3 ms: vLLM sends two messages per step about a millisecond apart, libzmq drops the second's
+    #: wake-up (sent within 3M TSC ticks of the first, 1.2 ms here), and a reader that stopped spinning then sleeps
+    #: until vLLM's 5 s recheck (measured: 1 ms stalled a request for 5 s now and then, 0 every step).
+    idle_spin_s: float | None = Field(default=None, ge=0.003)
     # vLLM's compile cache; inside the ignored .local folder.
     cache_dir: Path = REPO_ROOT / ".local" / "cache" / "vllm"
 

@@ -11,7 +11,7 @@ from rich.table import Table as RichTable
 from bench.chaos.audit import Table
 from bench.chaos.run import LoadShape, run_scenario
 from bench.chaos.scenarios import SCENARIOS
-from bench.common import save
+from bench.common import save, stop_cleanly_on_sigterm
 from runtime.settings import load_settings
 
 console = Console()
@@ -35,6 +35,7 @@ def chaos(
         raise typer.BadParameter(f"unknown scenario {unknown[0]!r}; one of: {', '.join(SCENARIOS)}, all")
     if engine not in ("synthetic", "vllm"):
         raise typer.BadParameter("--engine must be synthetic or vllm")
+    stop_cleanly_on_sigterm()
     settings = load_settings()
     shape = LoadShape(requests, concurrency, max_tokens, temperature, seed, mixed)
     tables = []

@@ -76,5 +76,14 @@ def test_vllm_finds_the_plugin() -> None:
 def test_the_engine_environment_follows_the_device() -> None:
     assert engine_env(EngineSettings(device="cpu")) == {IDLE_SPIN_ENV: "0.005"}
     assert engine_env(EngineSettings(device="cuda")) == {}
-    assert engine_env(EngineSettings(device="cuda", idle_spin_s=0.002)) == {IDLE_SPIN_ENV: "0.002"}
+    assert engine_env(EngineSettings(device="cuda", idle_spin_s=0.004)) == {IDLE_SPIN_ENV: "0.004"}
     assert engine_env(EngineSettings(device="cpu", idle_spin_s=1.0)) == {IDLE_SPIN_ENV: "1.0"}
+
+
+@pytest.mark.parametrize("seconds", [0, 0.001])
+def test_a_spin_that_would_lose_vllm_s_wake_ups_is_refused(seconds: float) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError):
+        EngineSettings(idle_spin_s=seconds)
+    assert EngineSettings(idle_spin_s=0.003).idle_spin_s == 0.003
