@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from inference_workers.protocol import EngineDeadError, EngineDelta
-from inference_workers.vllm_plugin import IDLE_SPIN_ENV
+from inference_workers.vllm_plugin import ENGINE_CORE_NAP_ENV, IDLE_SPIN_ENV
 from runtime.settings import EngineSettings, ModelSettings
 from schemas.events import SamplingSpec
 
@@ -53,7 +53,8 @@ def engine_env(engine: EngineSettings) -> dict[str, str]:
     """What vLLM's processes must find in their environment for these settings (also given to vLLM's own server
     in bench): read there by our vLLM plugin."""
     eff = engine.effective()
-    return {IDLE_SPIN_ENV: str(eff.idle_spin_s)} if eff.idle_spin_s is not None else {}
+    settings = {IDLE_SPIN_ENV: eff.idle_spin_s, ENGINE_CORE_NAP_ENV: eff.engine_core_nap_s}
+    return {name: str(seconds) for name, seconds in settings.items() if seconds is not None}
 
 
 class VllmEngine:

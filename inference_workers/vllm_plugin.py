@@ -10,41 +10,95 @@ rest of the platform runs on: measured here, the engine core burns about 20 core
 waiting for the model, as much CPU as the model itself (DEVELOPERS.md, "vLLM on the CPU").
 
 When :data:`IDLE_SPIN_ENV` is set (the worker sets it from ``engine.idle_spin_s`` before it starts the engine,
-``kns bench compare`` gives vLLM's own server the same value), readers spin that many seconds instead. Unset,
-vLLM is untouched: the plugin is found by every vLLM process started from this environment, vLLM's own server
-included.
+``kns bench compare`` gives vLLM's own server the same value), readers spin that many seconds instead.
+
+When :data:`ENGINE_CORE_NAP_ENV` is set (``engine.engine_core_nap_s``), the engine core naps that long between two
+looks at its queue while it spins, instead of ``sched_yield``. Its spin starts with each step, which on the CPU
+lasts tens of milliseconds, and its first milliseconds are when the worker, the broker and the gateway relay the
+tokens the engine core has just sent: ``sched_yield`` gives way only to threads of the spinner's own autogroup,
+so theirs waited behind it. A nap gives them the core and still looks at the queue every fraction of a
+millisecond, so no message waits for the socket's wake-up (which vLLM can lose, DEVELOPERS.md).
+
+Unset, vLLM is untouched: the plugin is found by every vLLM process started from this environment, vLLM's own
+server included.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
+from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 #: seconds a reader of vLLM's message queues spins after a message before it sleeps (unset: vLLM's own 1 s)
 IDLE_SPIN_ENV = "KNS_VLLM_IDLE_SPIN_S"
+#: seconds the engine core naps between two looks at its queue while it spins (unset: vLLM's ``sched_yield``)
+ENGINE_CORE_NAP_ENV = "KNS_VLLM_ENGINE_CORE_NAP_S"
 
 _PATCHED = "_kns_idle_spin"
+_ORIGINAL_YIELD = "_kns_sched_yield"
 
 
 def register() -> None:
     """Called by vLLM in each of its processes (possibly more than once)."""
-    value = os.environ.get(IDLE_SPIN_ENV)
-    if value is None:
+    spin_s, nap_s = _seconds(IDLE_SPIN_ENV), _seconds(ENGINE_CORE_NAP_ENV)
+    if spin_s is None and nap_s is None:
         return
     try:
-        spin_s = float(value)
-    except ValueError:
-        log.warning("ignoring %s=%r: not a number of seconds", IDLE_SPIN_ENV, value)
-        return
-    try:
-        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+        from vllm.distributed.device_communicators import shm_broadcast
     except ImportError as exc:  # a vLLM without it: nothing spins the way this plugin knows
-        log.warning("%s set, but this vLLM has no SpinCondition (%r): left as it is", IDLE_SPIN_ENV, exc)
+        log.warning("%s set, but this vLLM has no shm_broadcast (%r): left as it is", IDLE_SPIN_ENV, exc)
         return
-    cap_idle_spin(SpinCondition, spin_s)
+    if spin_s is not None:
+        cap_idle_spin(shm_broadcast.SpinCondition, spin_s)
+    if nap_s is not None:
+        nap_in_engine_core(shm_broadcast, nap_s)
+
+
+def _seconds(variable: str) -> float | None:
+    value = os.environ.get(variable)
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        log.warning("ignoring %s=%r: not a positive number of seconds", variable, value)
+        return None
+    return seconds
+
+
+def in_engine_core() -> bool:
+    """This process is vLLM's engine core (vLLM titles its processes ``VLLM::EngineCore``, ``VLLM::Worker``)."""
+    try:
+        import setproctitle
+    except ImportError:  # vLLM then titles nothing either
+        return False
+    return "EngineCore" in setproctitle.getproctitle()
+
+
+def nap_in_engine_core(shm_broadcast: ModuleType, nap_s: float) -> None:
+    """Make the engine core's spinners (they call the module's ``sched_yield`` between looks) sleep ``nap_s``
+    instead; other processes keep ``sched_yield`` (idempotent)."""
+    original: Callable[[], None] = getattr(shm_broadcast, _ORIGINAL_YIELD, None) or shm_broadcast.sched_yield
+    napping: bool | None = None
+
+    def sched_yield() -> None:
+        nonlocal napping
+        if napping is None:  # decided at the first spin: vLLM titles the process before it builds any queue
+            napping = in_engine_core()
+        if napping:
+            time.sleep(nap_s)
+        else:
+            original()
+
+    setattr(shm_broadcast, _ORIGINAL_YIELD, original)
+    shm_broadcast.sched_yield = sched_yield  # type: ignore[attr-defined]
 
 
 def cap_idle_spin(spin_condition: type, spin_s: float) -> None:

@@ -113,6 +113,9 @@ class EngineSettings(BaseModel):
     #: wake-up (sent within 3M TSC ticks of the first, 1.2 ms here), and a reader that stopped spinning then sleeps
     #: until vLLM's 5 s recheck (measured: 1 ms stalled a request for 5 s now and then, 0 every step).
     idle_spin_s: float | None = Field(default=None, ge=0.003)
+    #: seconds the engine core naps between two looks at its queue while it spins, instead of ``sched_yield``
+    #: (None: vLLM's). CPU default 0.2 ms: its spin holds the core the worker, Kafka and the gateway relay on.
+    engine_core_nap_s: float | None = Field(default=None, gt=0, le=0.001)
     # vLLM's compile cache; inside the ignored .local folder.
     cache_dir: Path = REPO_ROOT / ".local" / "cache" / "vllm"
 
@@ -140,6 +143,8 @@ class EngineSettings(BaseModel):
                 # Long enough to stay awake between two steps of a running batch, short enough to sleep between
                 # requests; a GPU host has cores to spare for vLLM's lowest-latency default.
                 "idle_spin_s": self.idle_spin_s if self.idle_spin_s is not None else (None if on_gpu else 0.005),
+                "engine_core_nap_s": self.engine_core_nap_s if self.engine_core_nap_s is not None
+                else (None if on_gpu else 0.0002),
             }
         )
 

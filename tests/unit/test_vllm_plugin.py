@@ -4,16 +4,19 @@ worker sets it from the engine settings (CPU default 5 ms, vLLM's own on a GPU),
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from importlib.metadata import entry_points
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from vllm.distributed.device_communicators import shm_broadcast
 from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
 from inference_workers import vllm_plugin
 from inference_workers.engine import engine_env
-from inference_workers.vllm_plugin import IDLE_SPIN_ENV, register
+from inference_workers.vllm_plugin import ENGINE_CORE_NAP_ENV, IDLE_SPIN_ENV, nap_in_engine_core, register
 from runtime.settings import EngineSettings
 
 
@@ -30,7 +33,21 @@ def pristine(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """SpinCondition with a socket-free ``__init__``; whatever a test does to it is undone after it."""
     monkeypatch.setattr(SpinCondition, "__init__", _vllm_like_init)
     monkeypatch.setattr(SpinCondition, vllm_plugin._PATCHED, None, raising=False)
+    monkeypatch.setattr(shm_broadcast, "sched_yield", shm_broadcast.sched_yield)
+    monkeypatch.setattr(shm_broadcast, vllm_plugin._ORIGINAL_YIELD, None, raising=False)
+    monkeypatch.delenv(IDLE_SPIN_ENV, raising=False)
+    monkeypatch.delenv(ENGINE_CORE_NAP_ENV, raising=False)
     yield
+
+
+@pytest.fixture
+def titled() -> Iterator[Callable[[str], None]]:
+    """Set this process's title as vLLM does in its processes (restored after)."""
+    import setproctitle
+
+    before = setproctitle.getproctitle()
+    yield setproctitle.setproctitle
+    setproctitle.setproctitle(before)
 
 
 def reader_spin_s() -> float:
@@ -74,10 +91,11 @@ def test_vllm_finds_the_plugin() -> None:
 
 
 def test_the_engine_environment_follows_the_device() -> None:
-    assert engine_env(EngineSettings(device="cpu")) == {IDLE_SPIN_ENV: "0.005"}
+    assert engine_env(EngineSettings(device="cpu")) == {IDLE_SPIN_ENV: "0.005", ENGINE_CORE_NAP_ENV: "0.0002"}
     assert engine_env(EngineSettings(device="cuda")) == {}
     assert engine_env(EngineSettings(device="cuda", idle_spin_s=0.004)) == {IDLE_SPIN_ENV: "0.004"}
-    assert engine_env(EngineSettings(device="cpu", idle_spin_s=1.0)) == {IDLE_SPIN_ENV: "1.0"}
+    assert engine_env(EngineSettings(device="cpu", idle_spin_s=1.0, engine_core_nap_s=0.0005)) == {
+        IDLE_SPIN_ENV: "1.0", ENGINE_CORE_NAP_ENV: "0.0005"}
 
 
 @pytest.mark.parametrize("seconds", [0, 0.001])
@@ -87,3 +105,66 @@ def test_a_spin_that_would_lose_vllm_s_wake_ups_is_refused(seconds: float) -> No
     with pytest.raises(ValidationError):
         EngineSettings(idle_spin_s=seconds)
     assert EngineSettings(idle_spin_s=0.003).idle_spin_s == 0.003
+
+
+def _spinner_module() -> tuple[SimpleNamespace, list[str]]:
+    yields: list[str] = []
+    return SimpleNamespace(sched_yield=lambda: yields.append("sched_yield")), yields
+
+
+def _one_look(module: SimpleNamespace) -> float:
+    started = time.perf_counter()
+    module.sched_yield()
+    return time.perf_counter() - started
+
+
+def test_the_engine_core_naps_between_looks_instead_of_yielding(titled: Callable[[str], None]) -> None:
+    module, yields = _spinner_module()
+    titled("VLLM::EngineCore")
+    nap_in_engine_core(module, 0.02)  # type: ignore[arg-type]
+    nap_in_engine_core(module, 0.02)  # type: ignore[arg-type]  (loaded twice: still one nap, no nesting)
+    assert _one_look(module) >= 0.019
+    assert yields == []
+
+
+@pytest.mark.parametrize("title", ["VLLM::Worker", "python -m vllm.entrypoints.openai.api_server"])
+def test_other_processes_keep_sched_yield(titled: Callable[[str], None], title: str) -> None:
+    module, yields = _spinner_module()
+    titled(title)
+    nap_in_engine_core(module, 0.02)  # type: ignore[arg-type]
+    assert _one_look(module) < 0.019
+    assert yields == ["sched_yield"]
+
+
+def test_the_nap_is_decided_at_the_first_spin_not_at_loading(titled: Callable[[str], None]) -> None:
+    """vLLM may load plugins in the engine core's process before it titles it."""
+    module, yields = _spinner_module()
+    titled("python")
+    nap_in_engine_core(module, 0.02)  # type: ignore[arg-type]
+    titled("VLLM::EngineCore")
+    assert _one_look(module) >= 0.019 and yields == []
+
+
+def test_register_naps_vllm_s_spinners_only_when_asked(pristine: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    vllm_s = shm_broadcast.sched_yield
+    monkeypatch.setenv(IDLE_SPIN_ENV, "0.005")
+    register()
+    assert shm_broadcast.sched_yield is vllm_s
+    monkeypatch.setenv(ENGINE_CORE_NAP_ENV, "0.0002")
+    register()
+    assert shm_broadcast.sched_yield is not vllm_s
+    assert getattr(shm_broadcast, vllm_plugin._ORIGINAL_YIELD) is vllm_s
+
+
+def test_vllm_s_spinners_call_the_module_s_sched_yield() -> None:
+    """What the nap replaces: the name the readers' spin looks up in the module's globals at each call."""
+    assert "sched_yield()" in inspect.getsource(SpinCondition.wait)
+    assert SpinCondition.wait.__globals__ is vars(shm_broadcast)
+
+
+@pytest.mark.parametrize("seconds", [0, 0.002])
+def test_a_nap_that_is_not_a_short_sleep_is_refused(seconds: float) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError):
+        EngineSettings(engine_core_nap_s=seconds)
