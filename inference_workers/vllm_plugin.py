@@ -32,6 +32,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from runtime.settings import MAX_ENGINE_CORE_NAP_S, MIN_IDLE_SPIN_S
+
 log = logging.getLogger(__name__)
 
 #: seconds a reader of vLLM's message queues spins after a message before it sleeps (unset: vLLM's own 1 s)
@@ -45,30 +47,36 @@ _ORIGINAL_YIELD = "_kns_sched_yield"
 
 def register() -> None:
     """Called by vLLM in each of its processes (possibly more than once)."""
-    spin_s, nap_s = _seconds(IDLE_SPIN_ENV), _seconds(ENGINE_CORE_NAP_ENV)
+    # The settings' own bounds: the variables can also be set by hand, and vLLM's processes read only them.
+    spin_s = _seconds(IDLE_SPIN_ENV, lambda s: MIN_IDLE_SPIN_S <= s < float("inf"))
+    nap_s = _seconds(ENGINE_CORE_NAP_ENV, lambda s: 0 < s <= MAX_ENGINE_CORE_NAP_S)
     if spin_s is None and nap_s is None:
         return
     try:
         from vllm.distributed.device_communicators import shm_broadcast
     except ImportError as exc:  # a vLLM without it: nothing spins the way this plugin knows
-        log.warning("%s set, but this vLLM has no shm_broadcast (%r): left as it is", IDLE_SPIN_ENV, exc)
+        log.warning("this vLLM has no shm_broadcast (%r): its spinning is left as it is", exc)
         return
+    if getattr(shm_broadcast, "SPINLOOP_EXT_ENABLED", False):
+        log.warning("VLLM_USE_SPINLOOP_EXT is on: vLLM's readers spin in C before they wait, where neither the "
+                    "idle spin nor the engine core's nap applies")
     if spin_s is not None:
         cap_idle_spin(shm_broadcast.SpinCondition, spin_s)
     if nap_s is not None:
         nap_in_engine_core(shm_broadcast, nap_s)
 
 
-def _seconds(variable: str) -> float | None:
+def _seconds(variable: str, valid: Callable[[float], bool]) -> float | None:
     value = os.environ.get(variable)
     if value is None:
         return None
     try:
         seconds = float(value)
     except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
-        log.warning("ignoring %s=%r: not a positive number of seconds", variable, value)
+        seconds = float("nan")  # fails every bound
+    if not valid(seconds):
+        log.warning("ignoring %s=%r: out of its bounds (runtime/settings.py); vLLM's own behaviour stays", variable,
+                    value)
         return None
     return seconds
 
@@ -92,6 +100,8 @@ def nap_in_engine_core(shm_broadcast: ModuleType, nap_s: float) -> None:
         nonlocal napping
         if napping is None:  # decided at the first spin: vLLM titles the process before it builds any queue
             napping = in_engine_core()
+            if napping:
+                log.info("the engine core naps %.2f ms between looks while it spins", nap_s * 1000)
         if napping:
             time.sleep(nap_s)
         else:

@@ -86,6 +86,12 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+#: vLLM's message-queue readers lose wake-ups under this spin (DEVELOPERS.md, "vLLM CPU build")
+MIN_IDLE_SPIN_S = 0.003
+#: the engine core's longest nap between two looks at its queue: each step's second message waits up to this long
+MAX_ENGINE_CORE_NAP_S = 0.001
+
+
 class EngineSettings(BaseModel):
     """vLLM engine arguments. ``None`` means: pick the default for the device (CPU here, CUDA when present)."""
 
@@ -112,10 +118,10 @@ class EngineSettings(BaseModel):
     #: At least 3 ms: vLLM sends two messages per step about a millisecond apart, libzmq drops the second's
     #: wake-up (sent within 3M TSC ticks of the first, 1.2 ms here), and a reader that stopped spinning then sleeps
     #: until vLLM's 5 s recheck (measured: 1 ms stalled a request for 5 s now and then, 0 every step).
-    idle_spin_s: float | None = Field(default=None, ge=0.003)
+    idle_spin_s: float | None = Field(default=None, ge=MIN_IDLE_SPIN_S)
     #: seconds the engine core naps between two looks at its queue while it spins, instead of ``sched_yield``
     #: (None: vLLM's). CPU default 0.2 ms: its spin holds the core the worker, Kafka and the gateway relay on.
-    engine_core_nap_s: float | None = Field(default=None, gt=0, le=0.001)
+    engine_core_nap_s: float | None = Field(default=None, gt=0, le=MAX_ENGINE_CORE_NAP_S)
     # vLLM's compile cache; inside the ignored .local folder.
     cache_dir: Path = REPO_ROOT / ".local" / "cache" / "vllm"
 

@@ -42,11 +42,13 @@ def pristine(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 @pytest.fixture
 def titled() -> Iterator[Callable[[str], None]]:
-    """Set this process's title as vLLM does in its processes (restored after)."""
+    """Title this process with vLLM's own ``set_process_title`` (``VLLM::<name>``), as vLLM's processes are;
+    restored after."""
     import setproctitle
+    from vllm.utils.system_utils import set_process_title
 
     before = setproctitle.getproctitle()
-    yield setproctitle.setproctitle
+    yield set_process_title
     setproctitle.setproctitle(before)
 
 
@@ -79,10 +81,33 @@ def test_set_caps_every_reader_built_after(pristine: None, monkeypatch: pytest.M
     assert reader_spin_s() == 0.25
 
 
-def test_a_value_that_is_not_a_number_is_ignored(pristine: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(IDLE_SPIN_ENV, "soon")
+@pytest.mark.parametrize("value", ["soon", "0", "0.001", "inf", "nan", "-1"])
+def test_a_spin_out_of_the_settings_bounds_is_ignored(pristine: None, monkeypatch: pytest.MonkeyPatch,
+                                                      value: str) -> None:
+    """Set by hand, as the settings would refuse it: under 3 ms vLLM's readers lose wake-ups (DEVELOPERS.md)."""
+    monkeypatch.setenv(IDLE_SPIN_ENV, value)
     register()
     assert reader_spin_s() == 1
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-1", "0.2", "inf", "nan"])
+def test_a_nap_out_of_the_settings_bounds_is_ignored(pristine: None, monkeypatch: pytest.MonkeyPatch,
+                                                     value: str) -> None:
+    """0.2 is someone thinking in milliseconds: 200 ms per look would make every step that late; inf would raise
+    in the engine core's read loop and kill it."""
+    vllm_s = shm_broadcast.sched_yield
+    monkeypatch.setenv(ENGINE_CORE_NAP_ENV, value)
+    register()
+    assert shm_broadcast.sched_yield is vllm_s
+
+
+def test_vllm_s_spinning_in_c_is_reported(pristine: None, monkeypatch: pytest.MonkeyPatch,
+                                          caplog: pytest.LogCaptureFixture) -> None:
+    """With VLLM_USE_SPINLOOP_EXT the readers spin in C first, where neither setting reaches."""
+    monkeypatch.setattr(shm_broadcast, "SPINLOOP_EXT_ENABLED", True)
+    monkeypatch.setenv(ENGINE_CORE_NAP_ENV, "0.0002")
+    register()
+    assert "VLLM_USE_SPINLOOP_EXT" in caplog.text
 
 
 def test_vllm_finds_the_plugin() -> None:
@@ -120,14 +145,14 @@ def _one_look(module: SimpleNamespace) -> float:
 
 def test_the_engine_core_naps_between_looks_instead_of_yielding(titled: Callable[[str], None]) -> None:
     module, yields = _spinner_module()
-    titled("VLLM::EngineCore")
+    titled("EngineCore")
     nap_in_engine_core(module, 0.02)  # type: ignore[arg-type]
     nap_in_engine_core(module, 0.02)  # type: ignore[arg-type]  (loaded twice: still one nap, no nesting)
     assert _one_look(module) >= 0.019
     assert yields == []
 
 
-@pytest.mark.parametrize("title", ["VLLM::Worker", "python -m vllm.entrypoints.openai.api_server"])
+@pytest.mark.parametrize("title", ["Worker", "Worker_TP1", "APIServer", "DPCoordinator"])
 def test_other_processes_keep_sched_yield(titled: Callable[[str], None], title: str) -> None:
     module, yields = _spinner_module()
     titled(title)
@@ -136,12 +161,15 @@ def test_other_processes_keep_sched_yield(titled: Callable[[str], None], title: 
     assert yields == ["sched_yield"]
 
 
-def test_the_nap_is_decided_at_the_first_spin_not_at_loading(titled: Callable[[str], None]) -> None:
+@pytest.mark.parametrize("title", ["EngineCore", "EngineCore_DP1"])
+def test_the_nap_is_decided_at_the_first_spin_not_at_loading(titled: Callable[[str], None], title: str) -> None:
     """vLLM may load plugins in the engine core's process before it titles it."""
+    import setproctitle
+
     module, yields = _spinner_module()
-    titled("python")
+    setproctitle.setproctitle("python")
     nap_in_engine_core(module, 0.02)  # type: ignore[arg-type]
-    titled("VLLM::EngineCore")
+    titled(title)
     assert _one_look(module) >= 0.019 and yields == []
 
 
