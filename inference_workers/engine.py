@@ -53,8 +53,8 @@ def engine_env(engine: EngineSettings) -> dict[str, str]:
     """What vLLM's processes must find in their environment for these settings (also given to vLLM's own server
     in bench): read there by our vLLM plugin."""
     eff = engine.effective()
-    settings = {IDLE_SPIN_ENV: eff.idle_spin_s, ENGINE_CORE_NAP_ENV: eff.engine_core_nap_s}
-    return {name: str(seconds) for name, seconds in settings.items() if seconds is not None}
+    spin = {IDLE_SPIN_ENV: eff.idle_spin_s, ENGINE_CORE_NAP_ENV: eff.engine_core_nap_s}
+    return {name: str(seconds) for name, seconds in spin.items() if seconds is not None}
 
 
 class VllmEngine:

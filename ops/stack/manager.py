@@ -127,7 +127,8 @@ class StackManager:
         started: list[str] = []
         running: list[str] = []
         for service in services:
-            (started if self._start(service) else running).append(service.name)
+            # In a thread: a refused autogroup change is tried again for up to 2 s (runtime/cpu_priority.py)
+            (started if await asyncio.to_thread(self._start, service) else running).append(service.name)
         waits = [self._wait_healthy(s) for s in services]
         results = await asyncio.gather(*waits, return_exceptions=True)
         for result in results:
