@@ -139,7 +139,8 @@ def compare_command(
     requests: int = typer.Option(16, min=2, help="Requests per round (at least 4 x concurrency)."),
     input_len: int = typer.Option(128, help="Prompt words."),
     output_len: int = typer.Option(64, help="Output tokens (ignore_eos on both sides)."),
-    referee: bool = typer.Option(True, help="Also run vLLM's own `vllm bench serve` against both."),
+    referee: bool = typer.Option(True, help="Also run vLLM's own `vllm bench serve` against both, in every "
+                                 "round, on prompts of its own."),
     vllm_server_nice: int = typer.Option(0, min=0, max=19, help="Renice vLLM's API server process (not its "
                                          "engine) to this level, as ours yield (cpu.yield_nice): a control."),
 ) -> None:
@@ -201,18 +202,28 @@ def show_comparison(results: dict[str, Any]) -> None:
         if ours or theirs:
             console.print(cpu)
     if "referee" in results:
-        ref = Table(title="referee: vllm bench serve (its own figures)")
+        ref = Table(title="referee: vllm bench serve (its own figures, medians over rounds)")
         for column in ("conc.", "side", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
                        "failed"):
             ref.add_column(column, justify="right")
-        for c, by_side in results["referee"].items():
-            for side, r in by_side.items():
-                if "error" in r:
-                    ref.add_row(c, side, "error", r["error"][-60:], "", "", "", "")
-                    continue
-                ref.add_row(c, side, f"{r['output_throughput']:.1f}", f"{r['median_ttft_ms']:.1f}",
-                            f"{r['p99_ttft_ms']:.1f}", f"{r['median_itl_ms']:.1f}", f"{r['p99_itl_ms']:.1f}",
-                            str(r["failed"]))
+
+        def num(value: float | None, fmt: str = ".1f") -> str:
+            return "-" if value is None else format(value, fmt)
+
+        for c, data in results["referee"].items():
+            for side in ("ours", "vllm"):
+                a = data[side]
+                failed = f"{a['failed']}" + (f", rounds lost: {a['failed_rounds']}" if a["failed_rounds"] else "")
+                ref.add_row(c, side, num(a["output_throughput"]), num(a["median_ttft_ms"]), num(a["p99_ttft_ms"]),
+                            num(a["median_itl_ms"]), num(a["p99_itl_ms"]), failed)
+            r = data["ours_vs_vllm"]
+            ratio = "-" if r["output_tokens_per_s_ratio"] is None else f"{r['output_tokens_per_s_ratio']}x"
+            ref.add_row(c, "ours/vLLM", ratio, *(num(r[f"{k}_diff_ms"], "+.1f") for k in (
+                "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")), "")
+            for side, rounds_ in data["rounds"].items():
+                for run in rounds_:
+                    if "error" in run:
+                        console.print(f"[red]referee failed on {side} (c={c}):[/red] {run['error'][-300:]}")
         console.print(ref)
 
 

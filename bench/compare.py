@@ -1,14 +1,18 @@
 """Side by side: our pipeline vs vLLM's own server, same model, same engine arguments, same workload.
 
 Both servers run at once (idle engines cost nothing) and take turns: each round runs the workload on one side, then
-on the other, the order alternating between rounds, so drift on this noisy machine hits both. Reported per
+on the other, the order alternating between rounds, so drift on this noisy machine hits both. Every round sends
+prompts neither engine has seen (both sides the same ones): with prefix caching on, a repeated prompt skips its
+prefill, so only a first round would pay it and the rounds would not measure the same thing. Reported per
 concurrency: the median over rounds of each figure, the ratio of output tokens/s (ours / vLLM) and the differences
-of TTFT and ITL percentiles. Optionally vLLM's own benchmark client measures both sides too (the referee).
+of TTFT and ITL percentiles. Optionally vLLM's own benchmark client measures both sides too (the referee), in the
+same rounds and order, on prompts of its own, with its medians over rounds compared the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import statistics
@@ -16,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +34,22 @@ from runtime.cpu_priority import renice
 from runtime.settings import REPO_ROOT, Settings
 
 Report = Callable[[str], None]
+
+
+#: what the referee reports of each run
+REFEREE_KEYS = ("completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
+                "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "median_tpot_ms",
+                "median_e2el_ms")
+#: of those, the counts, which add up over rounds (the rest are medians over rounds)
+_REFEREE_COUNTS = ("completed", "failed", "total_input_tokens", "total_output_tokens")
+
+
+def round_shape(shape: Shape, concurrency: int, round_no: int, client: str) -> Shape:
+    """One round's workload for one client: at least four requests per stream, and prompts no earlier round or
+    other client sent (a seed of its own), the same for both sides of the round."""
+    key = f"{shape.seed}/{concurrency}/{round_no}/{client}".encode()
+    return replace(shape, requests=max(shape.requests, 4 * concurrency),
+                   seed=int.from_bytes(hashlib.sha256(key).digest()[:8], "big"))
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -78,6 +99,28 @@ def ratios(ours: dict[str, Any], vllm: dict[str, Any]) -> dict[str, Any]:
             **{f"{k}_diff_ms": diff_ms(k) for k in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")}}
 
 
+def referee_aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The referee's figures over rounds: counts summed, the rest medians; a round it could not run is counted."""
+    ok = [r for r in runs if "error" not in r]
+    out: dict[str, Any] = {"rounds": len(ok), "failed_rounds": len(runs) - len(ok)}
+    for key in REFEREE_KEYS:
+        values = [r.get(key) for r in ok]
+        out[key] = sum(v or 0 for v in values) if key in _REFEREE_COUNTS else _median(values)
+    return out
+
+
+def referee_ratios(ours: dict[str, Any], vllm: dict[str, Any]) -> dict[str, Any]:
+    """The referee's medians compared as :func:`ratios` compares our client's: tok/s ratio, differences in ms."""
+    a, b = ours.get("output_throughput"), vllm.get("output_throughput")
+
+    def diff(key: str) -> float | None:
+        x, y = ours.get(key), vllm.get(key)
+        return None if x is None or y is None else round(x - y, 2)
+
+    return {"output_tokens_per_s_ratio": round(a / b, 3) if a and b else None,
+            **{f"{k}_diff_ms": diff(k) for k in ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")}}
+
+
 async def _warm(side: Side, model: str) -> None:
     run = plan(Target(side.base_url, model, side.api_key, label=side.label), Shape("fixed", 4, 32, 8), concurrency=2)
     await run_load(run)
@@ -105,10 +148,7 @@ def referee(side: Side, settings: Settings, concurrency: int, shape: Shape) -> d
         if done.returncode != 0:
             return {"error": (done.stdout + done.stderr)[-2000:]}
         data = json.loads((Path(tmp) / "result.json").read_text())
-    keys = ("completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
-            "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "median_tpot_ms",
-            "median_e2el_ms")
-    return {k: data.get(k) for k in keys}
+    return {k: data.get(k) for k in REFEREE_KEYS}
 
 
 async def compare(settings: Settings, *, concurrencies: list[int], rounds: int, shape: Shape, with_referee: bool,
@@ -136,12 +176,14 @@ async def compare(settings: Settings, *, concurrencies: list[int], rounds: int, 
         for side in sides:
             await _warm(side, settings.model.served_name)
         per: dict[int, dict[str, list[dict[str, Any]]]] = {}
+        refereed: dict[int, dict[str, list[dict[str, Any]]]] = {}
         for c in concurrencies:
             per[c] = {side.label: [] for side in sides}
-            workload = Shape(shape.dataset, max(shape.requests, 4 * c), shape.input_words, shape.output_tokens,
-                             shape.seed, shape.max_context)
+            refereed[c] = {side.label: [] for side in sides}
             for r in range(rounds):
-                for side in (sides if r % 2 == 0 else sides[::-1]):
+                order = sides if r % 2 == 0 else sides[::-1]
+                workload = round_shape(shape, c, r, "kns")
+                for side in order:
                     report(f"concurrency {c}, round {r + 1}/{rounds}: {side.label}")
                     run = plan(Target(side.base_url, settings.model.served_name, side.api_key, label=side.label),
                                workload, concurrency=c)
@@ -154,6 +196,12 @@ async def compare(settings: Settings, *, concurrencies: list[int], rounds: int, 
                     if stages_before is not None:
                         summary["stages_ms"] = means_ms(stages_before, await scrape(side.metrics_urls))
                     per[c][side.label].append(summary)
+                if with_referee:
+                    for side in order:
+                        report(f"concurrency {c}, round {r + 1}/{rounds}: {side.label}, the referee "
+                               "(vllm bench serve)")
+                        refereed[c][side.label].append(await asyncio.to_thread(
+                            referee, side, settings, c, round_shape(shape, c, r, "referee")))
         results: dict[str, Any] = {"shape": shape.__dict__, "sides": {s.label: s.description for s in sides},
                                    "nice_levels": nice, "concurrency": {}}
         for c, by_side in per.items():
@@ -162,13 +210,10 @@ async def compare(settings: Settings, *, concurrencies: list[int], rounds: int, 
                                               "rounds": by_side}
         if with_referee:
             results["referee"] = {}
-            for c in concurrencies:
-                workload = Shape(shape.dataset, max(shape.requests, 4 * c), shape.input_words, shape.output_tokens,
-                                 shape.seed, shape.max_context)
-                for side in sides:
-                    report(f"referee (vllm bench serve), concurrency {c}: {side.label}")
-                    result = await asyncio.to_thread(referee, side, settings, c, workload)
-                    results["referee"].setdefault(str(c), {})[side.label] = result
+            for c, by_side in refereed.items():
+                agg = {label: referee_aggregate(rounds_) for label, rounds_ in by_side.items()}
+                results["referee"][str(c)] = {**agg, "ours_vs_vllm": referee_ratios(agg["ours"], agg["vllm"]),
+                                              "rounds": by_side}
         return results, runs
     finally:
         for proc in procs:

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from bench.compare import aggregate, ratios
+from bench.compare import aggregate, ratios, referee_aggregate, referee_ratios, round_shape
 from bench.loadgen import RequestResult, Target, plan
 from bench.workload import Shape, WorkloadError, items
 
@@ -67,6 +67,51 @@ def test_medians_over_rounds_and_ratios() -> None:
     assert r["output_tokens_per_s_ratio"] == 1.0
     assert r["ttft_p50_diff_ms"] == pytest.approx(100.0) and r["itl_p99_diff_ms"] == pytest.approx(20.0)
     assert ours["cpu_s_per_1k_output_tokens"] == {"engine": 2.0}  # median of 1, 3, 2 seconds per 1000 tokens
+
+
+def test_every_round_and_client_sends_prompts_no_other_sent() -> None:
+    """With prefix caching on, a prompt sent again skips its prefill: rounds that repeated the first round's prompts
+    measured a cached TTFT (175 ms against 545 ms in compare-20261126T034444.json), so the medians were not over
+    like rounds. Both sides of a round still get the very same prompts."""
+    base = Shape("fixed", 16, 128, 64)
+    shapes = [round_shape(base, c, r, client) for c in (1, 8) for r in range(4) for client in ("kns", "referee")]
+    prompts = [frozenset(i.prompt for i in items(s)) for s in shapes]
+    assert all(not (a & b) for n, a in enumerate(prompts) for b in prompts[n + 1:])
+    assert items(round_shape(base, 8, 2, "kns")) == items(round_shape(base, 8, 2, "kns"))  # the same for both sides
+    assert round_shape(base, 8, 0, "kns").requests == 32 and round_shape(base, 1, 0, "kns").requests == 16
+
+
+def _referee_run(tput: float, ttft_ms: float, itl_ms: float) -> dict[str, object]:
+    return {"completed": 16, "failed": 0, "total_input_tokens": 2600, "total_output_tokens": 1024,
+            "request_throughput": tput / 64, "output_throughput": tput, "median_ttft_ms": ttft_ms,
+            "p99_ttft_ms": ttft_ms * 2, "median_itl_ms": itl_ms, "p99_itl_ms": itl_ms * 2,
+            "median_tpot_ms": itl_ms, "median_e2el_ms": 3000.0}
+
+
+def test_the_referees_rounds_are_medians_and_its_failures_counted() -> None:
+    ours = referee_aggregate([_referee_run(t, 180, 52) for t in (18, 19, 17)] + [{"error": "connection refused"}])
+    vllm = referee_aggregate([_referee_run(t, 170, 50) for t in (19, 20, 18)])
+    assert ours["output_throughput"] == 18 and ours["rounds"] == 3 and ours["failed_rounds"] == 1
+    assert ours["completed"] == 48 and ours["total_output_tokens"] == 3072  # counts add up; figures are medians
+    r = referee_ratios(ours, vllm)
+    assert r["output_tokens_per_s_ratio"] == 0.947
+    assert r["median_ttft_ms_diff_ms"] == 10 and r["median_itl_ms_diff_ms"] == 2 and r["p99_itl_ms_diff_ms"] == 4
+    assert referee_ratios(referee_aggregate([{"error": "x"}]), vllm)["output_tokens_per_s_ratio"] is None
+
+
+def test_the_comparison_table_shows_the_referees_medians_and_failures(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.cli import show_comparison
+
+    client = {"ours": aggregate([_summary(20, 0.2, 0.05)]), "vllm": aggregate([_summary(21, 0.19, 0.05)])}
+    refereed = {"ours": [_referee_run(18, 180, 52), {"error": "Traceback: the server went away"}],
+                "vllm": [_referee_run(19, 170, 50)]}
+    agg = {side: referee_aggregate(runs) for side, runs in refereed.items()}
+    show_comparison({"sides": {"ours": "us", "vllm": "them"},
+                     "concurrency": {"1": {**client, "ours_vs_vllm": ratios(client["ours"], client["vllm"])}},
+                     "referee": {"1": {**agg, "ours_vs_vllm": referee_ratios(agg["ours"], agg["vllm"]),
+                                       "rounds": refereed}}})
+    out = capsys.readouterr().out
+    assert "0.947x" in out and "+10.0" in out and "rounds lost: 1" in out and "the server went away" in out
 
 
 def test_cpu_meter_attributes_a_childs_work_to_its_tree() -> None:
