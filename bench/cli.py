@@ -156,6 +156,9 @@ def compare_command(
     if busy:
         console.print(f"[yellow]note:[/yellow] {', '.join(busy)} of the dev stack are running; idle, they cost "
                       "little, but for quiet figures stop them (kns stack down -s worker ...).")
+    if rounds % 2:
+        console.print(f"[yellow]note:[/yellow] with {rounds} rounds one side goes first once more than the other; "
+                      "an even number gives both the first turn as often.")
     shape = Shape("fixed", requests, input_len, output_len, 0, settings.model.max_model_len)
     try:
         shape.validate()
@@ -171,6 +174,8 @@ def compare_command(
 
 
 def show_comparison(results: dict[str, Any]) -> None:
+    from bench.compare import referee_measured
+
     for label, description in results["sides"].items():
         console.print(f"[bold]{label}[/bold]: {description}")
     table = Table(title="ours vs vLLM (medians over rounds)")
@@ -222,8 +227,9 @@ def show_comparison(results: dict[str, Any]) -> None:
                 "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")), "")
             for side, rounds_ in data["rounds"].items():
                 for run in rounds_:
-                    if "error" in run:
-                        console.print(f"[red]referee failed on {side} (c={c}):[/red] {run['error'][-300:]}")
+                    if not referee_measured(run):
+                        why = run.get("error") or f"no request completed ({run.get('failed')} failed)"
+                        console.print(f"[red]a referee round failed on {side} (c={c}):[/red] {why[-300:]}")
         console.print(ref)
 
 

@@ -19,10 +19,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from bench.cpu import CpuMeter, nice_levels
 from bench.loadgen import Run, Target, plan, run_load
@@ -34,6 +34,7 @@ from runtime.cpu_priority import renice
 from runtime.settings import REPO_ROOT, Settings
 
 Report = Callable[[str], None]
+S = TypeVar("S")
 
 
 #: what the referee reports of each run
@@ -46,10 +47,30 @@ _REFEREE_COUNTS = ("completed", "failed", "total_input_tokens", "total_output_to
 
 def round_shape(shape: Shape, concurrency: int, round_no: int, client: str) -> Shape:
     """One round's workload for one client: at least four requests per stream, and prompts no earlier round or
-    other client sent (a seed of its own), the same for both sides of the round."""
+    other client sent (a seed of its own, 32 bits: the referee seeds NumPy with it), the same for both sides."""
     key = f"{shape.seed}/{concurrency}/{round_no}/{client}".encode()
     return replace(shape, requests=max(shape.requests, 4 * concurrency),
-                   seed=int.from_bytes(hashlib.sha256(key).digest()[:8], "big"))
+                   seed=int.from_bytes(hashlib.sha256(key).digest()[:4], "big"))
+
+
+@dataclass(frozen=True)
+class Slot(Generic[S]):
+    """One round at one concurrency: the sides in the order they run, and what each client sends to both."""
+
+    concurrency: int
+    round_no: int
+    order: tuple[S, ...]
+    workload: Shape
+    referee_workload: Shape
+
+
+def schedule(sides: Sequence[S], concurrencies: list[int], rounds: int, shape: Shape) -> Iterator[Slot[S]]:
+    """The rounds in the order they run: the sides' order alternating, so drift over a run hits both alike (an even
+    number of rounds gives each side the first turn as often)."""
+    for c in concurrencies:
+        for r in range(rounds):
+            order = tuple(sides) if r % 2 == 0 else tuple(reversed(sides))
+            yield Slot(c, r, order, round_shape(shape, c, r, "kns"), round_shape(shape, c, r, "referee"))
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -99,13 +120,25 @@ def ratios(ours: dict[str, Any], vllm: dict[str, Any]) -> dict[str, Any]:
             **{f"{k}_diff_ms": diff_ms(k) for k in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")}}
 
 
-def referee_aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The referee's figures over rounds: counts summed, the rest medians; a round it could not run is counted."""
-    ok = [r for r in runs if "error" not in r]
-    out: dict[str, Any] = {"rounds": len(ok), "failed_rounds": len(runs) - len(ok)}
-    for key in REFEREE_KEYS:
-        values = [r.get(key) for r in ok]
-        out[key] = sum(v or 0 for v in values) if key in _REFEREE_COUNTS else _median(values)
+def referee_measured(run: dict[str, Any]) -> bool:
+    """Whether a referee run measured anything: it ran, and completed requests (when every request fails, vLLM's
+    client still exits 0 and reports its latencies as 0)."""
+    return "error" not in run and bool(run.get("completed"))
+
+
+def referee_aggregate(by_side: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """The referee's figures over the rounds both sides measured (paired, as the rounds are): counts summed, the
+    rest medians; the rounds lost on each side are counted."""
+    paired = [i for i in range(min(map(len, by_side.values()), default=0))
+              if all(referee_measured(runs[i]) for runs in by_side.values())]
+    out: dict[str, dict[str, Any]] = {}
+    for side, runs in by_side.items():
+        kept = [runs[i] for i in paired]
+        agg: dict[str, Any] = {"rounds": len(kept), "failed_rounds": sum(not referee_measured(r) for r in runs)}
+        for key in REFEREE_KEYS:
+            values = [r.get(key) for r in kept]
+            agg[key] = sum(v or 0 for v in values) if key in _REFEREE_COUNTS else _median(values)
+        out[side] = agg
     return out
 
 
@@ -144,10 +177,13 @@ def referee(side: Side, settings: Settings, concurrency: int, shape: Shape) -> d
                "--header", "kns-event-ids=off",
                "--save-result", "--result-dir", tmp, "--result-filename", "result.json"]
         env = {**os.environ, "OPENAI_API_KEY": side.api_key}
-        done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1800)
-        if done.returncode != 0:
-            return {"error": (done.stdout + done.stderr)[-2000:]}
-        data = json.loads((Path(tmp) / "result.json").read_text())
+        try:
+            done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1800)
+            if done.returncode != 0:
+                return {"error": (done.stdout + done.stderr)[-2000:]}
+            data = json.loads((Path(tmp) / "result.json").read_text())
+        except (subprocess.TimeoutExpired, OSError, ValueError) as exc:  # one lost round, not the whole run
+            return {"error": f"{type(exc).__name__}: {exc}"}
     return {k: data.get(k) for k in REFEREE_KEYS}
 
 
@@ -177,31 +213,25 @@ async def compare(settings: Settings, *, concurrencies: list[int], rounds: int, 
             await _warm(side, settings.model.served_name)
         per: dict[int, dict[str, list[dict[str, Any]]]] = {}
         refereed: dict[int, dict[str, list[dict[str, Any]]]] = {}
-        for c in concurrencies:
-            per[c] = {side.label: [] for side in sides}
-            refereed[c] = {side.label: [] for side in sides}
-            for r in range(rounds):
-                order = sides if r % 2 == 0 else sides[::-1]
-                workload = round_shape(shape, c, r, "kns")
-                for side in order:
-                    report(f"concurrency {c}, round {r + 1}/{rounds}: {side.label}")
-                    run = plan(Target(side.base_url, settings.model.served_name, side.api_key, label=side.label),
-                               workload, concurrency=c)
-                    meter = CpuMeter({**{p.name: p.pid for p in side.procs if p.pid}, **infra})
-                    stages_before = await scrape(side.metrics_urls) if side.metrics_urls else None
-                    await run_load(run)
-                    runs.append(run)
-                    summary = run.summary()
-                    summary["cpu_s"] = meter.since()
-                    if stages_before is not None:
-                        summary["stages_ms"] = means_ms(stages_before, await scrape(side.metrics_urls))
-                    per[c][side.label].append(summary)
-                if with_referee:
-                    for side in order:
-                        report(f"concurrency {c}, round {r + 1}/{rounds}: {side.label}, the referee "
-                               "(vllm bench serve)")
-                        refereed[c][side.label].append(await asyncio.to_thread(
-                            referee, side, settings, c, round_shape(shape, c, r, "referee")))
+        for slot in schedule(sides, concurrencies, rounds, shape):
+            c, n = slot.concurrency, f"round {slot.round_no + 1}/{rounds}"
+            for side in slot.order:
+                report(f"concurrency {c}, {n}: {side.label}")
+                run = plan(Target(side.base_url, settings.model.served_name, side.api_key, label=side.label),
+                           slot.workload, concurrency=c)
+                meter = CpuMeter({**{p.name: p.pid for p in side.procs if p.pid}, **infra})
+                stages_before = await scrape(side.metrics_urls) if side.metrics_urls else None
+                await run_load(run)
+                runs.append(run)
+                summary = run.summary()
+                summary["cpu_s"] = meter.since()
+                if stages_before is not None:
+                    summary["stages_ms"] = means_ms(stages_before, await scrape(side.metrics_urls))
+                per.setdefault(c, {s.label: [] for s in sides})[side.label].append(summary)
+            for side in slot.order if with_referee else ():
+                report(f"concurrency {c}, {n}: {side.label}, the referee (vllm bench serve)")
+                result = await asyncio.to_thread(referee, side, settings, c, slot.referee_workload)
+                refereed.setdefault(c, {s.label: [] for s in sides})[side.label].append(result)
         results: dict[str, Any] = {"shape": shape.__dict__, "sides": {s.label: s.description for s in sides},
                                    "nice_levels": nice, "concurrency": {}}
         for c, by_side in per.items():
@@ -211,7 +241,7 @@ async def compare(settings: Settings, *, concurrencies: list[int], rounds: int, 
         if with_referee:
             results["referee"] = {}
             for c, by_side in refereed.items():
-                agg = {label: referee_aggregate(rounds_) for label, rounds_ in by_side.items()}
+                agg = referee_aggregate(by_side)
                 results["referee"][str(c)] = {**agg, "ours_vs_vllm": referee_ratios(agg["ours"], agg["vllm"]),
                                               "rounds": by_side}
         return results, runs

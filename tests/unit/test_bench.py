@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from bench.compare import aggregate, ratios, referee_aggregate, referee_ratios, round_shape
+from bench.compare import aggregate, ratios, referee_aggregate, referee_ratios, round_shape, schedule
 from bench.loadgen import RequestResult, Target, plan
 from bench.workload import Shape, WorkloadError, items
 
@@ -72,13 +72,17 @@ def test_medians_over_rounds_and_ratios() -> None:
 def test_every_round_and_client_sends_prompts_no_other_sent() -> None:
     """With prefix caching on, a prompt sent again skips its prefill: rounds that repeated the first round's prompts
     measured a cached TTFT (175 ms against 545 ms in compare-20261126T034444.json), so the medians were not over
-    like rounds. Both sides of a round still get the very same prompts."""
-    base = Shape("fixed", 16, 128, 64)
-    shapes = [round_shape(base, c, r, client) for c in (1, 8) for r in range(4) for client in ("kns", "referee")]
-    prompts = [frozenset(i.prompt for i in items(s)) for s in shapes]
+    like rounds. Both sides of a round still get the very same prompts, in turns that alternate."""
+    slots = list(schedule(["ours", "vllm"], [1, 8], 4, Shape("fixed", 16, 128, 64)))
+    assert [(s.concurrency, s.round_no) for s in slots] == [(c, r) for c in (1, 8) for r in range(4)]
+    assert [s.order[0] for s in slots] == ["ours", "vllm"] * 4 and all(len(s.order) == 2 for s in slots)
+    shapes = [shape for s in slots for shape in (s.workload, s.referee_workload)]
+    prompts = [frozenset(i.prompt for i in items(shape)) for shape in shapes]
     assert all(not (a & b) for n, a in enumerate(prompts) for b in prompts[n + 1:])
-    assert items(round_shape(base, 8, 2, "kns")) == items(round_shape(base, 8, 2, "kns"))  # the same for both sides
-    assert round_shape(base, 8, 0, "kns").requests == 32 and round_shape(base, 1, 0, "kns").requests == 16
+    # vLLM's client seeds NumPy with it: a seed over 32 bits failed every referee run
+    assert all(0 <= shape.seed < 2**32 for shape in shapes)
+    assert [s.workload.requests for s in slots] == [16] * 4 + [32] * 4  # four requests per stream at least
+    assert items(round_shape(Shape("fixed", 16, 128, 64), 8, 2, "kns")) == items(slots[6].workload)
 
 
 def _referee_run(tput: float, ttft_ms: float, itl_ms: float) -> dict[str, object]:
@@ -88,30 +92,48 @@ def _referee_run(tput: float, ttft_ms: float, itl_ms: float) -> dict[str, object
             "median_tpot_ms": itl_ms, "median_e2el_ms": 3000.0}
 
 
-def test_the_referees_rounds_are_medians_and_its_failures_counted() -> None:
-    ours = referee_aggregate([_referee_run(t, 180, 52) for t in (18, 19, 17)] + [{"error": "connection refused"}])
-    vllm = referee_aggregate([_referee_run(t, 170, 50) for t in (19, 20, 18)])
-    assert ours["output_throughput"] == 18 and ours["rounds"] == 3 and ours["failed_rounds"] == 1
+#: what vLLM's client reports when every request failed: it exits 0, with latencies of 0
+_ALL_FAILED = {**_referee_run(0, 0, 0), "completed": 0, "failed": 16}
+
+
+def test_the_referees_medians_are_over_the_rounds_both_sides_measured() -> None:
+    agg = referee_aggregate({
+        "ours": [_referee_run(18, 180, 52), _referee_run(19, 181, 52), _referee_run(17, 182, 53),
+                 {"error": "connection refused"}, _referee_run(30, 10, 10)],
+        "vllm": [_referee_run(19, 170, 50), _referee_run(20, 171, 50), _referee_run(18, 172, 51),
+                 _referee_run(40, 5, 5), _ALL_FAILED],
+    })
+    ours, vllm = agg["ours"], agg["vllm"]
+    assert ours["output_throughput"] == 18 and vllm["output_throughput"] == 19  # rounds 4 and 5 are unpaired
+    assert ours["rounds"] == vllm["rounds"] == 3 and ours["failed_rounds"] == vllm["failed_rounds"] == 1
     assert ours["completed"] == 48 and ours["total_output_tokens"] == 3072  # counts add up; figures are medians
     r = referee_ratios(ours, vllm)
     assert r["output_tokens_per_s_ratio"] == 0.947
     assert r["median_ttft_ms_diff_ms"] == 10 and r["median_itl_ms_diff_ms"] == 2 and r["p99_itl_ms_diff_ms"] == 4
-    assert referee_ratios(referee_aggregate([{"error": "x"}]), vllm)["output_tokens_per_s_ratio"] is None
+    lost = referee_aggregate({"ours": [_ALL_FAILED], "vllm": [_referee_run(19, 170, 50)]})
+    assert lost["ours"]["median_ttft_ms"] is None and referee_ratios(lost["ours"], lost["vllm"]) == {
+        "output_tokens_per_s_ratio": None, "median_ttft_ms_diff_ms": None, "p99_ttft_ms_diff_ms": None,
+        "median_itl_ms_diff_ms": None, "p99_itl_ms_diff_ms": None}
 
 
 def test_the_comparison_table_shows_the_referees_medians_and_failures(capsys: pytest.CaptureFixture[str]) -> None:
     from bench.cli import show_comparison
 
-    client = {"ours": aggregate([_summary(20, 0.2, 0.05)]), "vllm": aggregate([_summary(21, 0.19, 0.05)])}
-    refereed = {"ours": [_referee_run(18, 180, 52), {"error": "Traceback: the server went away"}],
-                "vllm": [_referee_run(19, 170, 50)]}
-    agg = {side: referee_aggregate(runs) for side, runs in refereed.items()}
+    client = {"ours": aggregate([_summary(20, 0.2, 0.2)]), "vllm": aggregate([_summary(21, 0.2, 0.2)])}
+    refereed = {"ours": [_referee_run(18, 180, 52), {"error": "Traceback: the server went away"}, _ALL_FAILED],
+                "vllm": [_referee_run(19, 170, 50), _referee_run(19, 170, 50), _referee_run(19, 170, 50)]}
+    agg = referee_aggregate(refereed)
     show_comparison({"sides": {"ours": "us", "vllm": "them"},
                      "concurrency": {"1": {**client, "ours_vs_vllm": ratios(client["ours"], client["vllm"])}},
                      "referee": {"1": {**agg, "ours_vs_vllm": referee_ratios(agg["ours"], agg["vllm"]),
                                        "rounds": refereed}}})
     out = capsys.readouterr().out
-    assert "0.947x" in out and "+10.0" in out and "rounds lost: 1" in out and "the server went away" in out
+    assert "0.947x" in out and "+10.0" in out and "+4.0" in out  # only the referee's row differs from 0
+    assert "rounds lost: 2" in out and "the server went away" in out and "no request completed (16 failed)" in out
+    show_comparison({"sides": {}, "concurrency": {}, "referee": {"1": {
+        **(lost := referee_aggregate({"ours": [_ALL_FAILED], "vllm": [_ALL_FAILED]})),
+        "ours_vs_vllm": referee_ratios(lost["ours"], lost["vllm"]), "rounds": {"ours": [_ALL_FAILED]}}}})
+    assert "rounds lost: 1" in capsys.readouterr().out
 
 
 def test_cpu_meter_attributes_a_childs_work_to_its_tree() -> None:
