@@ -219,6 +219,8 @@ def show_comparison(results: dict[str, Any]) -> None:
             for side in ("ours", "vllm"):
                 a = data[side]
                 failed = f"{a['failed']}" + (f", rounds lost: {a['failed_rounds']}" if a["failed_rounds"] else "")
+                if a["rounds"] < a.get("of_rounds", a["rounds"]):
+                    failed += f" (medians of {a['rounds']}/{a['of_rounds']} rounds)"
                 ref.add_row(c, side, num(a["output_throughput"]), num(a["median_ttft_ms"]), num(a["p99_ttft_ms"]),
                             num(a["median_itl_ms"]), num(a["p99_itl_ms"]), failed)
             r = data["ours_vs_vllm"]
@@ -228,7 +230,8 @@ def show_comparison(results: dict[str, Any]) -> None:
             for side, rounds_ in data["rounds"].items():
                 for run in rounds_:
                     if not referee_measured(run):
-                        why = run.get("error") or f"no request completed ({run.get('failed')} failed)"
+                        why = (str(run["error"]) if "error" in run
+                               else f"no request completed ({run.get('failed')} failed)")
                         console.print(f"[red]a referee round failed on {side} (c={c}):[/red] {why[-300:]}")
         console.print(ref)
 

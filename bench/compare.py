@@ -66,8 +66,9 @@ class Slot(Generic[S]):
 
 def schedule(sides: Sequence[S], concurrencies: list[int], rounds: int, shape: Shape) -> Iterator[Slot[S]]:
     """The rounds in the order they run: the sides' order alternating, so drift over a run hits both alike (an even
-    number of rounds gives each side the first turn as often)."""
-    for c in concurrencies:
+    number of rounds gives each side the first turn as often). A concurrency given twice runs once: its prompts
+    would be the same again, cached."""
+    for c in dict.fromkeys(concurrencies):
         for r in range(rounds):
             order = tuple(sides) if r % 2 == 0 else tuple(reversed(sides))
             yield Slot(c, r, order, round_shape(shape, c, r, "kns"), round_shape(shape, c, r, "referee"))
@@ -128,16 +129,18 @@ def referee_measured(run: dict[str, Any]) -> bool:
 
 def referee_aggregate(by_side: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """The referee's figures over the rounds both sides measured (paired, as the rounds are): counts summed, the
-    rest medians; the rounds lost on each side are counted."""
+    rest medians; the rounds lost on each side, and requests failed in any round it ran, are counted."""
     paired = [i for i in range(min(map(len, by_side.values()), default=0))
               if all(referee_measured(runs[i]) for runs in by_side.values())]
     out: dict[str, dict[str, Any]] = {}
     for side, runs in by_side.items():
         kept = [runs[i] for i in paired]
-        agg: dict[str, Any] = {"rounds": len(kept), "failed_rounds": sum(not referee_measured(r) for r in runs)}
+        agg: dict[str, Any] = {"rounds": len(kept), "of_rounds": len(runs),
+                               "failed_rounds": sum(not referee_measured(r) for r in runs)}
         for key in REFEREE_KEYS:
             values = [r.get(key) for r in kept]
             agg[key] = sum(v or 0 for v in values) if key in _REFEREE_COUNTS else _median(values)
+        agg["failed"] = sum(r.get("failed") or 0 for r in runs if "error" not in r)
         out[side] = agg
     return out
 
@@ -180,11 +183,20 @@ def referee(side: Side, settings: Settings, concurrency: int, shape: Shape) -> d
         try:
             done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1800)
             if done.returncode != 0:
-                return {"error": (done.stdout + done.stderr)[-2000:]}
+                return {"error": f"exit {done.returncode}: {(done.stdout + done.stderr)[-2000:]}"}
             data = json.loads((Path(tmp) / "result.json").read_text())
-        except (subprocess.TimeoutExpired, OSError, ValueError) as exc:  # one lost round, not the whole run
+        except subprocess.TimeoutExpired as exc:  # one lost round, not the whole run
+            output = _text(exc.stdout)[-1000:] + _text(exc.stderr)[-1000:]
+            return {"error": f"timed out after {exc.timeout:g} s: {output}"}
+        except (OSError, ValueError) as exc:  # no result file, or not JSON
             return {"error": f"{type(exc).__name__}: {exc}"}
+    if not isinstance(data, dict):
+        return {"error": f"its result is not an object: {str(data)[:200]}"}
     return {k: data.get(k) for k in REFEREE_KEYS}
+
+
+def _text(output: str | bytes | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 async def compare(settings: Settings, *, concurrencies: list[int], rounds: int, shape: Shape, with_referee: bool,

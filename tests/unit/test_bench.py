@@ -116,6 +116,103 @@ def test_the_referees_medians_are_over_the_rounds_both_sides_measured() -> None:
         "median_itl_ms_diff_ms": None, "p99_itl_ms_diff_ms": None}
 
 
+def test_a_concurrency_given_twice_runs_once() -> None:
+    """Its prompts would be the same again, answered from the prefix cache, and mixed into the same medians."""
+    slots = list(schedule(["ours", "vllm"], [1, 8, 1], 2, Shape("fixed", 16, 128, 64)))
+    assert [(s.concurrency, s.round_no) for s in slots] == [(1, 0), (1, 1), (8, 0), (8, 1)]
+
+
+def test_requests_the_referee_saw_fail_count_even_in_a_round_the_other_side_lost() -> None:
+    ok = _referee_run(18, 180, 52)
+    agg = referee_aggregate({"ours": [ok, {**ok, "completed": 10, "failed": 6}], "vllm": [ok, {"error": "x"}]})
+    assert agg["ours"]["failed"] == 6 and agg["ours"]["rounds"] == 1 and agg["ours"]["of_rounds"] == 2
+
+
+@pytest.mark.parametrize("outcome", ["timeout", "no result file", "not an object", "killed"])
+def test_a_referee_run_that_goes_wrong_loses_its_round_not_the_comparison(
+        outcome: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from bench import compare as compare_module
+
+    def run(cmd: list[str], **_: object) -> subprocess.CompletedProcess[str]:
+        if outcome == "timeout":
+            raise subprocess.TimeoutExpired(cmd, 1800, output=b"still waiting")
+        if outcome == "not an object":
+            out = Path(cmd[cmd.index("--result-dir") + 1]) / cmd[cmd.index("--result-filename") + 1]
+            out.write_text("[1, 2]")
+        return subprocess.CompletedProcess(cmd, -9 if outcome == "killed" else 0, "", "")
+
+    monkeypatch.setattr(compare_module.subprocess, "run", run)
+    side = SimpleNamespace(base_url="http://127.0.0.1:1/v1", api_key="k", label="ours")
+    settings = SimpleNamespace(model=SimpleNamespace(served_name="m", path="/nowhere"))
+    result = compare_module.referee(side, settings, 1, Shape("fixed", 4, 16, 8))  # type: ignore[arg-type]
+    assert set(result) == {"error"} and result["error"], result
+    assert {"timeout": "timed out after 1800 s: still waiting", "killed": "exit -9"}.get(
+        outcome, "") in result["error"]
+
+
+async def test_compare_sends_each_client_its_own_prompts_the_same_to_both_sides(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """compare() itself, its services faked: which prompts each client sent to which side, in which order."""
+    from types import SimpleNamespace
+
+    from bench import compare as compare_module
+    from bench.loadgen import Run
+
+    sent: list[tuple[str, str, int, int]] = []
+
+    class Proc:
+        pid, name = None, "p"
+
+        def start(self) -> None: ...
+        def stop(self) -> None: ...
+        async def wait(self) -> None: ...
+
+    def side(label: str) -> SimpleNamespace:
+        return SimpleNamespace(label=label, base_url=f"http://{label}:1/v1", api_key="k", procs=[Proc()],
+                               description=label, metrics_urls=[])
+
+    async def our_side(*_: object, **__: object) -> SimpleNamespace:
+        return side("ours")
+
+    async def run_load(run: Run) -> Run:
+        sent.append(("kns", run.target.label, run.concurrency or 0, run.shape.seed))
+        run.results = [RequestResult(i.index, True, ttft=0.1, e2e=1.0, output_tokens=8, itl=[0.1])
+                       for i in items(run.shape)]
+        run.wall_s = 1.0
+        return run
+
+    def referee(side: SimpleNamespace, _settings: object, c: int, shape: Shape) -> dict[str, object]:
+        sent.append(("referee", side.label, c, shape.seed))
+        return _referee_run(18, 180, 52)
+
+    class Stack:
+        def __init__(self, _settings: object) -> None: ...
+        async def up(self, **_: object) -> None: ...
+
+    async def nothing(*_: object, **__: object) -> None: ...
+
+    for name, fake in {"StackManager": Stack, "our_side": our_side, "vllm_side": lambda *_: side("vllm"),
+                       "infra_pids": lambda _: {}, "nice_levels": lambda _: {}, "_warm": nothing,
+                       "run_load": run_load, "referee": referee,
+                       "CpuMeter": lambda _: SimpleNamespace(since=lambda: {})}.items():
+        monkeypatch.setattr(compare_module, name, fake)
+    settings = SimpleNamespace(model=SimpleNamespace(served_name="m"))
+    shape = Shape("fixed", 16, 128, 64)
+    results, _ = await compare_module.compare(settings, concurrencies=[1, 8], rounds=2, shape=shape,  # type: ignore[arg-type]
+                                              with_referee=True, report=lambda _: None)
+    expected = []
+    for slot in schedule(["ours", "vllm"], [1, 8], 2, shape):
+        expected += [("kns", label, slot.concurrency, slot.workload.seed) for label in slot.order]
+        expected += [("referee", label, slot.concurrency, slot.referee_workload.seed) for label in slot.order]
+    assert sent == expected
+    assert results["referee"]["8"]["ours_vs_vllm"]["output_tokens_per_s_ratio"] == 1.0
+    assert len(results["concurrency"]["1"]["rounds"]["vllm"]) == 2
+
+
 def test_the_comparison_table_shows_the_referees_medians_and_failures(capsys: pytest.CaptureFixture[str]) -> None:
     from bench.cli import show_comparison
 
