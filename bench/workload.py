@@ -72,7 +72,9 @@ def items(shape: Shape) -> list[Item]:
             words = _lognormal(rng, shape.input_words, 0.8, 4, shape.max_context // 3)
             tokens = _lognormal(rng, shape.output_tokens, 0.7, 4, shape.max_context // 3)
         body = " ".join(rng.choice(_WORDS) for _ in range(max(1, words - 6)))
-        out.append(Item(i, f"Request {i}. Continue this text: {body}", tokens))
+        # the seed first: prompts of two seeds part right after the chat template's system prompt (a shared 16-token
+        # block would be answered from the prefix cache)
+        out.append(Item(i, f"Set {shape.seed}, request {i}. Continue this text: {body}", tokens))
     return out
 
 
