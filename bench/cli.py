@@ -219,7 +219,7 @@ def show_comparison(results: dict[str, Any]) -> None:
             for side in ("ours", "vllm"):
                 a = data[side]
                 failed = f"{a['failed']}" + (f", rounds lost: {a['failed_rounds']}" if a["failed_rounds"] else "")
-                if a["rounds"] < a.get("of_rounds", a["rounds"]):
+                if a["rounds"] < a["of_rounds"]:
                     failed += f" (medians of {a['rounds']}/{a['of_rounds']} rounds)"
                 ref.add_row(c, side, num(a["output_throughput"]), num(a["median_ttft_ms"]), num(a["p99_ttft_ms"]),
                             num(a["median_itl_ms"]), num(a["p99_itl_ms"]), failed)

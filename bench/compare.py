@@ -41,8 +41,9 @@ S = TypeVar("S")
 REFEREE_KEYS = ("completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
                 "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "median_tpot_ms",
                 "median_e2el_ms")
-#: of those, the counts, which add up over rounds (the rest are medians over rounds)
-_REFEREE_COUNTS = ("completed", "failed", "total_input_tokens", "total_output_tokens")
+#: of those, the counts, which add up over the paired rounds (the rest are medians over them; ``failed`` adds up
+#: over every round the referee ran)
+_REFEREE_COUNTS = ("completed", "total_input_tokens", "total_output_tokens")
 
 
 def round_shape(shape: Shape, concurrency: int, round_no: int, client: str) -> Shape:
@@ -110,15 +111,22 @@ def stage_means(summaries: list[dict[str, Any]]) -> dict[str, float]:
             for stage in sorted(stages)}
 
 
-def ratios(ours: dict[str, Any], vllm: dict[str, Any]) -> dict[str, Any]:
-    def diff_ms(key: str) -> float | None:
-        a, b = ours.get(key), vllm.get(key)
-        return None if a is None or b is None else round((a - b) * 1000, 2)
+def _side_by_side(ours: dict[str, Any], vllm: dict[str, Any], throughput: str, latencies: tuple[str, ...],
+                  to_ms: float) -> dict[str, Any]:
+    """Ours against vLLM's: the ratio of output tokens/s, and each latency's difference in ms."""
+    a, b = ours.get(throughput), vllm.get(throughput)
 
-    tput = (ours["output_tokens_per_s"] / vllm["output_tokens_per_s"]
-            if ours["output_tokens_per_s"] and vllm["output_tokens_per_s"] else None)
-    return {"output_tokens_per_s_ratio": round(tput, 3) if tput else None,
-            **{f"{k}_diff_ms": diff_ms(k) for k in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")}}
+    def diff_ms(key: str) -> float | None:
+        x, y = ours.get(key), vllm.get(key)
+        return None if x is None or y is None else round((x - y) * to_ms, 2)
+
+    return {"output_tokens_per_s_ratio": round(a / b, 3) if a and b else None,
+            **{f"{k}_diff_ms": diff_ms(k) for k in latencies}}
+
+
+def ratios(ours: dict[str, Any], vllm: dict[str, Any]) -> dict[str, Any]:
+    """Our client's medians (latencies in seconds)."""
+    return _side_by_side(ours, vllm, "output_tokens_per_s", ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99"), 1000)
 
 
 def referee_measured(run: dict[str, Any]) -> bool:
@@ -138,23 +146,20 @@ def referee_aggregate(by_side: dict[str, list[dict[str, Any]]]) -> dict[str, dic
         agg: dict[str, Any] = {"rounds": len(kept), "of_rounds": len(runs),
                                "failed_rounds": sum(not referee_measured(r) for r in runs)}
         for key in REFEREE_KEYS:
-            values = [r.get(key) for r in kept]
-            agg[key] = sum(v or 0 for v in values) if key in _REFEREE_COUNTS else _median(values)
-        agg["failed"] = sum(r.get("failed") or 0 for r in runs if "error" not in r)
+            if key == "failed":
+                agg[key] = sum(r.get(key) or 0 for r in runs if "error" not in r)
+            elif key in _REFEREE_COUNTS:
+                agg[key] = sum(r.get(key) or 0 for r in kept)
+            else:
+                agg[key] = _median([r.get(key) for r in kept])
         out[side] = agg
     return out
 
 
 def referee_ratios(ours: dict[str, Any], vllm: dict[str, Any]) -> dict[str, Any]:
-    """The referee's medians compared as :func:`ratios` compares our client's: tok/s ratio, differences in ms."""
-    a, b = ours.get("output_throughput"), vllm.get("output_throughput")
-
-    def diff(key: str) -> float | None:
-        x, y = ours.get(key), vllm.get(key)
-        return None if x is None or y is None else round(x - y, 2)
-
-    return {"output_tokens_per_s_ratio": round(a / b, 3) if a and b else None,
-            **{f"{k}_diff_ms": diff(k) for k in ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")}}
+    """The referee's medians (latencies in ms), compared as :func:`ratios` compares our client's."""
+    return _side_by_side(ours, vllm, "output_throughput", ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms",
+                                                           "p99_itl_ms"), 1)
 
 
 async def _warm(side: Side, model: str) -> None:
