@@ -241,16 +241,17 @@ def kafka_hop(
     wait: list[int] = typer.Option([5, 100, 500], "--fetch-max-wait-ms", help="Consumer fetch waits to compare."),
     records: int = typer.Option(500, min=10), gap_ms: float = typer.Option(20.0, help="Pause between records."),
 ) -> None:
-    """Kafka produce → consume latency on this machine, per consumer fetch wait, with the clients' CPU."""
+    """Kafka produce → consume latency on this machine, per consumer fetch wait, the consumer in the producer's
+    process and in its own (as the pipeline's hops), with the clients' CPU."""
     from bench.kafka_hop import run
 
     results = asyncio.run(run(load_settings().kafka, wait, records, gap_ms / 1000))
     table = Table(title=f"Kafka hop, {records} records, one every {gap_ms:g} ms")
-    for column in ("fetch_max_wait_ms", "p50 ms", "p90 ms", "p99 ms", "client CPU (cores)"):
+    for column in ("fetch_max_wait_ms", "consumer", "p50 ms", "p90 ms", "p99 ms", "client CPU (cores)"):
         table.add_column(column, justify="right")
     for r in results:
         h = r["hop_s"]
-        table.add_row(str(r["fetch_max_wait_ms"]), f"{h['p50'] * 1000:.2f}", f"{h['p90'] * 1000:.2f}",
+        table.add_row(str(r["fetch_max_wait_ms"]), r["consumer"], f"{h['p50'] * 1000:.2f}", f"{h['p90'] * 1000:.2f}",
                       f"{h['p99'] * 1000:.2f}", f"{r['client_cpu_share_of_one_core']:.3f}")
     console.print(table)
     console.print(f"[green]saved[/green] {save('kafka-hop', {'results': results})}")

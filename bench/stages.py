@@ -11,8 +11,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 #: (metric, label filter) → stage name, in the order a request meets them
 STAGES = (
+    ("kns_gateway_prompt_seconds", None, "gateway: prompt rendering (chat template, tokenizer)"),
     ("kns_limiter_seconds", ("limiter", "shared"), "gateway: admission (the shared limiter, Redis)"),
     ("kns_kafka_hop_seconds", ("hop", "gateway_to_worker"), "Kafka hop gateway → worker"),
+    ("kns_worker_claim_seconds", None, "worker: request claim (Redis)"),
     ("kns_worker_ttft_seconds", None, "worker: consumed → first token"),
     ("kns_kafka_hop_seconds", ("hop", "worker_to_relay"), "Kafka hop worker → relay"),
     ("kns_gateway_ttft_seconds", None, "gateway: received → first token sent"),

@@ -53,6 +53,7 @@ from runtime.logs import request_scope
 from runtime.metrics import (
     KAFKA_HOP,
     WORKER_ABORTED,
+    WORKER_CLAIM,
     WORKER_CONSUMED,
     WORKER_DEFERRED,
     WORKER_FINISHED,
@@ -228,9 +229,11 @@ class Intake:
 
     async def _admit(self, request: ChatRequest, record: ConsumerRecord[bytes, bytes], tp: TopicPartition) -> None:
         attempt = self._active[tp]
+        started = time.perf_counter()
         try:
             claim = await self._claims.claim(request.request_id, f"{record.topic}:{record.partition}:{record.offset}",
                                              attempt, org_id=request.org_id, key_id=request.key_id)
+            WORKER_CLAIM.observe(time.perf_counter() - started)
         except CLAIM_ERRORS as exc:
             WORKER_DEFERRED.labels(reason="claims_unavailable").inc()
             self.degraded = f"request claims unavailable (Redis): {exc!r}"

@@ -34,6 +34,9 @@ GATEWAY_REQUESTS = Counter(
     "kns_gateway_requests_total", "Chat completion requests by outcome", ["outcome", "stream"]
 )
 GATEWAY_IN_FLIGHT = Gauge("kns_gateway_requests_in_flight", "Chat completions being answered")
+GATEWAY_PROMPT = Histogram(
+    "kns_gateway_prompt_seconds", "Rendering a prompt (chat template) and tokenizing it", buckets=_FAST
+)
 GATEWAY_TTFT = Histogram(
     "kns_gateway_ttft_seconds", "Request received to first token sent", buckets=_SLOW
 )
@@ -101,6 +104,9 @@ WORKER_FINISHED = Counter(
 )
 WORKER_ABORTED = Counter(
     "kns_worker_requests_aborted_total", "Generations aborted in the engine, by cause", ["cause"]
+)
+WORKER_CLAIM = Histogram(
+    "kns_worker_claim_seconds", "Claiming a consumed request (Redis), before the engine sees it", buckets=_FAST
 )
 WORKER_TTFT = Histogram(
     "kns_worker_ttft_seconds", "Request consumed to first engine output", buckets=_SLOW

@@ -102,6 +102,7 @@ async def test_metrics_are_exported(client: openai.OpenAI, stack: Settings) -> N
     assert moved(gateway_before, gateway, "kns_gateway_e2e_seconds_count") == 1
     assert moved(gateway_before, gateway, "kns_gateway_requests_total", outcome=finish, stream="true") == 1
     assert moved(gateway_before, gateway, "kns_gateway_ttft_seconds_count") == 1
+    assert moved(gateway_before, gateway, "kns_gateway_prompt_seconds_count") == 1
     assert moved(gateway_before, gateway, "kns_gateway_tokens_out_total") == usage.completion_tokens
     # One gap per delta after the first: at least one per content chunk the client got, at most one per event.
     gaps = moved(gateway_before, gateway, "kns_gateway_inter_token_seconds_count")
@@ -114,6 +115,7 @@ async def test_metrics_are_exported(client: openai.OpenAI, stack: Settings) -> N
     assert moved(worker_before, worker, "kns_worker_requests_finished_total", finish_reason=finish) == 1
     assert moved(worker_before, worker, "kns_worker_finalize_txn_seconds_count") >= 1
     assert moved(worker_before, worker, "kns_kafka_hop_seconds_count", hop="gateway_to_worker") >= 1
+    assert moved(worker_before, worker, "kns_worker_claim_seconds_count") >= 1
     # Every completion token, the ones riding in the final event included.
     assert moved(worker_before, worker, "kns_worker_tokens_out_total") == usage.completion_tokens
 
