@@ -14,11 +14,13 @@ from its idle wait, which is what a pipeline hop pays on top of the broker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 import time
 import uuid
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from aiokafka import TopicPartition
 from aiokafka.admin import NewTopic
@@ -27,9 +29,21 @@ from bench.common import percentiles
 from runtime.kafka_clients import make_admin, make_consumer, make_producer
 from runtime.settings import KafkaSettings
 
-#: a reader's hops (seconds), and the CPU seconds it spent outside this process
-Reading = asyncio.Task[tuple[list[float], float]]
 PAYLOAD = b"x" * 120
+#: how long a reader process may take to start and position itself
+READY_TIMEOUT_S = 60.0
+#: how long a reader may take, after the last record was sent, to report
+ANSWER_TIMEOUT_S = 30.0
+
+
+class Reader(Protocol):
+    """A consumer reading the records the benchmark sends, positioned at the topic's end."""
+
+    async def answer(self) -> tuple[list[float], float]:
+        """Its hops (seconds) and the share of one core it spent outside this process while it read."""
+
+    async def close(self) -> None:
+        """Stop it, whether it answered or not."""
 
 
 async def _one_setting(kafka: KafkaSettings, topic: str, fetch_wait_ms: int, records: int, gap_s: float,
@@ -37,22 +51,21 @@ async def _one_setting(kafka: KafkaSettings, topic: str, fetch_wait_ms: int, rec
     settings = kafka.model_copy(update={"fetch_max_wait_ms": fetch_wait_ms})
     producer = make_producer(settings, role="bench-hop")
     await producer.start()
-    reader: Reading | None = None
+    reader: Reader | None = None
     try:
         reader = await (_reader_process if own_process else _reader_here)(settings, topic, records)
         cpu_start, wall_start = time.process_time(), time.perf_counter()
         for _ in range(records):
             await producer.send_and_wait(topic, time.time_ns().to_bytes(8, "big") + PAYLOAD, partition=0)
             await asyncio.sleep(gap_s)
-        hops, reader_cpu = await asyncio.wait_for(reader, 30)
-        wall = time.perf_counter() - wall_start
-        cpu = time.process_time() - cpu_start + reader_cpu
+        hops, reader_share = await asyncio.wait_for(reader.answer(), ANSWER_TIMEOUT_S)
+        share = (time.process_time() - cpu_start) / (time.perf_counter() - wall_start) + reader_share
     finally:
         if reader is not None:
-            reader.cancel()
+            await reader.close()
         await producer.stop()
     return {"fetch_max_wait_ms": fetch_wait_ms, "consumer": "own process" if own_process else "same process",
-            "records": len(hops), "hop_s": percentiles(hops), "client_cpu_share_of_one_core": round(cpu / wall, 3)}
+            "records": len(hops), "hop_s": percentiles(hops), "client_cpu_share_of_one_core": round(share, 3)}
 
 
 async def _read(kafka: KafkaSettings, topic: str, records: int, positioned: asyncio.Future[None]) -> list[float]:
@@ -80,54 +93,103 @@ async def _positioned(kafka: KafkaSettings, topic: str, records: int) -> asyncio
     positioned: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     reading = asyncio.create_task(_read(kafka, topic, records, positioned))
     either: list[asyncio.Future[Any]] = [positioned, reading]
-    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    try:
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        reading.cancel()
+        raise
     if reading.done():
         reading.result()
     return reading
 
 
-async def _reader_here(kafka: KafkaSettings, topic: str, records: int) -> Reading:
-    reading = await _positioned(kafka, topic, records)
+@dataclass
+class _ReaderHere:
+    reading: asyncio.Task[list[float]]
 
-    async def hops() -> tuple[list[float], float]:
-        try:
-            return await reading, 0.0  # its CPU is this process's
-        finally:
-            reading.cancel()
+    async def answer(self) -> tuple[list[float], float]:
+        return await self.reading, 0.0  # its CPU is this process's
 
-    return asyncio.create_task(hops())
+    async def close(self) -> None:
+        self.reading.cancel()
+        await asyncio.gather(self.reading, return_exceptions=True)
 
 
-async def _reader_process(kafka: KafkaSettings, topic: str, records: int) -> Reading:
-    """The reader in a child process (``python -m bench.kafka_hop``), returned once it is positioned."""
-    child = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "bench.kafka_hop", topic, str(records), kafka.model_dump_json(),
-        stdout=asyncio.subprocess.PIPE)
+async def _reader_here(kafka: KafkaSettings, topic: str, records: int) -> Reader:
+    return _ReaderHere(await _positioned(kafka, topic, records))
+
+
+def child_command(topic: str, records: int, kafka: KafkaSettings) -> list[str]:
+    return [sys.executable, "-m", "bench.kafka_hop", topic, str(records), kafka.model_dump_json()]
+
+
+@dataclass
+class _ReaderProcess:
+    child: asyncio.subprocess.Process
+
+    async def answer(self) -> tuple[list[float], float]:
+        assert self.child.stdout is not None
+        line = await self.child.stdout.readline()
+        if not line:
+            await self.child.wait()
+            raise RuntimeError(f"the reader process failed (exit {self.child.returncode})")
+        answer = json.loads(line)
+        return answer["hops"], answer["cpu_s"] / answer["wall_s"]
+
+    async def close(self) -> None:
+        await _kill(self.child)
+
+
+async def _reader_process(kafka: KafkaSettings, topic: str, records: int) -> Reader:
+    """The reader in a child process (``python -m bench.kafka_hop``), returned once it is positioned. It also stops
+    by itself when its stdin closes (this process killed), and Ctrl-C reaches only this process (the child is in a
+    session of its own, stopped by ``close``)."""
+    child = await asyncio.create_subprocess_exec(*child_command(topic, records, kafka), stdin=asyncio.subprocess.PIPE,
+                                                 stdout=asyncio.subprocess.PIPE, start_new_session=True)
     assert child.stdout is not None
-    if (await child.stdout.readline()).strip() != b"ready":
-        await child.wait()
-        raise RuntimeError(f"the reader process failed before it was positioned (exit {child.returncode})")
+    try:
+        line = await asyncio.wait_for(child.stdout.readline(), READY_TIMEOUT_S)
+        if line.strip() != b"ready":
+            raise RuntimeError(f"the reader process did not get ready (it said {line[:80]!r})")
+    except BaseException:
+        await _kill(child)
+        raise
+    return _ReaderProcess(child)
 
-    async def hops() -> tuple[list[float], float]:
-        try:
-            out, _ = await child.communicate()
-        finally:
-            if child.returncode is None:
-                child.kill()
-        if child.returncode:
-            raise RuntimeError(f"the reader process failed (exit {child.returncode})")
-        answer = json.loads(out)
-        return answer["hops"], answer["cpu_s"]
 
-    return asyncio.create_task(hops())
+async def _kill(child: asyncio.subprocess.Process) -> None:
+    if child.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            child.kill()
+    await asyncio.shield(child.wait())
 
 
 async def _child(topic: str, records: int, kafka: KafkaSettings) -> None:
-    reading = await _positioned(kafka, topic, records)
+    """The reader process: ``ready`` once positioned, then one JSON line (its hops, its CPU and wall seconds)."""
+    orphaned = asyncio.create_task(_stdin_closed())
+    reading = asyncio.create_task(_positioned(kafka, topic, records))
+    either: list[asyncio.Future[Any]] = [orphaned, reading]
+    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    if orphaned.done():
+        raise SystemExit("the benchmark is gone")
+    hops_task = reading.result()
     print("ready", flush=True)
-    cpu_start = time.process_time()
-    hops = await reading
-    print(json.dumps({"hops": hops, "cpu_s": time.process_time() - cpu_start}), flush=True)
+    cpu_start, wall_start = time.process_time(), time.perf_counter()
+    either = [orphaned, hops_task]
+    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    if not hops_task.done():
+        raise SystemExit("the benchmark is gone")
+    hops = hops_task.result()
+    print(json.dumps({"hops": hops, "cpu_s": time.process_time() - cpu_start,
+                      "wall_s": time.perf_counter() - wall_start}), flush=True)
+
+
+async def _stdin_closed() -> None:
+    """Returns when the other end of stdin closes (the benchmark exited or was killed)."""
+    reader = asyncio.StreamReader()
+    await asyncio.get_running_loop().connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    while await reader.read(4096):
+        pass
 
 
 async def run(kafka: KafkaSettings, waits: list[int], records: int, gap_s: float) -> list[dict[str, Any]]:

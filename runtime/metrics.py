@@ -35,7 +35,8 @@ GATEWAY_REQUESTS = Counter(
 )
 GATEWAY_IN_FLIGHT = Gauge("kns_gateway_requests_in_flight", "Chat completions being answered")
 GATEWAY_PROMPT = Histogram(
-    "kns_gateway_prompt_seconds", "Rendering a prompt (chat template) and tokenizing it", buckets=_FAST
+    "kns_gateway_prompt_seconds", "Rendering one prompt (chat template) and tokenizing it (a conversation's turn "
+    "that must be truncated renders several)", buckets=_FAST
 )
 GATEWAY_TTFT = Histogram(
     "kns_gateway_ttft_seconds", "Request received to first token sent", buckets=_SLOW

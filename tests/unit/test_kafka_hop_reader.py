@@ -1,0 +1,167 @@
+"""``kns bench kafka-hop``'s reader process: never left running, whichever way the benchmark leaves it.
+
+The child is replaced by small programs (``bench.kafka_hop.child_command``) that behave as a reader might: slow to
+get ready, saying something else, never ready. Each writes its pid to a file, so the test can see it gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from aiokafka.errors import KafkaConnectionError
+
+from bench import kafka_hop
+from runtime.settings import KafkaSettings
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _program(tmp_path: Path, body: str) -> list[str]:
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys, time
+        from pathlib import Path
+        Path({str(tmp_path / "pid")!r}).write_text(str(os.getpid()))
+    """) + textwrap.dedent(body))
+    return [sys.executable, str(script)]
+
+
+def _gone(tmp_path: Path, within_s: float = 2.0) -> bool:
+    pid = int((tmp_path / "pid").read_text())
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+async def _wait_for_pid(tmp_path: Path) -> None:
+    for _ in range(500):
+        if (tmp_path / "pid").exists() and (tmp_path / "pid").read_text():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the child did not start")
+
+
+def test_cancelled_while_the_reader_starts_kills_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    command = _program(tmp_path, 'time.sleep(2); print("ready", flush=True); time.sleep(60)')
+    monkeypatch.setattr(kafka_hop, "child_command", lambda *_: command)
+
+    async def main() -> None:
+        starting = asyncio.create_task(kafka_hop._reader_process(KafkaSettings(), "t", 10))
+        await _wait_for_pid(tmp_path)
+        starting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await starting
+
+    asyncio.run(main())
+    assert _gone(tmp_path)
+
+
+def test_a_reader_that_says_something_else_fails_at_once_and_is_killed(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    command = _program(tmp_path, 'print("hello", flush=True); time.sleep(1); print("ready", flush=True); '
+                                 'time.sleep(60)')
+    monkeypatch.setattr(kafka_hop, "child_command", lambda *_: command)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="did not get ready"):
+        asyncio.run(kafka_hop._reader_process(KafkaSettings(), "t", 10))
+    assert time.monotonic() - started < 10
+    assert _gone(tmp_path)
+
+
+def test_a_reader_never_ready_times_out_and_is_killed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    command = _program(tmp_path, "time.sleep(60)")
+    monkeypatch.setattr(kafka_hop, "child_command", lambda *_: command)
+    monkeypatch.setattr(kafka_hop, "READY_TIMEOUT_S", 1.0)
+    with pytest.raises(TimeoutError):
+        asyncio.run(kafka_hop._reader_process(KafkaSettings(), "t", 10))
+    assert _gone(tmp_path)
+
+
+class _Producer:
+    """The benchmark's producer, failing its first send or taking every record."""
+
+    def __init__(self, fail: bool) -> None:
+        self.fail = fail
+        self.stopped = False
+
+    async def start(self) -> None:
+        pass
+
+    async def send_and_wait(self, *_: object, **__: object) -> None:
+        if self.fail:
+            raise KafkaConnectionError("broker away")
+
+    async def stop(self) -> None:
+        self.stopped = True
+
+
+def test_a_producer_that_fails_stops_the_reader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    command = _program(tmp_path, 'print("ready", flush=True); time.sleep(60)')
+    monkeypatch.setattr(kafka_hop, "child_command", lambda *_: command)
+    producer = _Producer(fail=True)
+    monkeypatch.setattr(kafka_hop, "make_producer", lambda *_, **__: producer)
+    with pytest.raises(KafkaConnectionError):
+        asyncio.run(kafka_hop._one_setting(KafkaSettings(), "t", 100, 10, 0.0, own_process=True))
+    assert _gone(tmp_path)
+    assert producer.stopped
+
+
+def test_a_reader_that_never_answers_times_out_and_is_killed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    command = _program(tmp_path, 'print("ready", flush=True); time.sleep(60)')
+    monkeypatch.setattr(kafka_hop, "child_command", lambda *_: command)
+    monkeypatch.setattr(kafka_hop, "make_producer", lambda *_, **__: _Producer(fail=False))
+    monkeypatch.setattr(kafka_hop, "ANSWER_TIMEOUT_S", 0.5)
+    with pytest.raises(TimeoutError):
+        asyncio.run(kafka_hop._one_setting(KafkaSettings(), "t", 100, 10, 0.0, own_process=True))
+    assert _gone(tmp_path)
+
+
+def test_a_reader_that_answers_is_measured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    answer = '{"hops": [0.001, 0.002, 0.003], "cpu_s": 0.05, "wall_s": 0.5}'
+    command = _program(tmp_path, f'print("ready", flush=True); time.sleep(0.2); print({answer!r}, flush=True)')
+    monkeypatch.setattr(kafka_hop, "child_command", lambda *_: command)
+    monkeypatch.setattr(kafka_hop, "make_producer", lambda *_, **__: _Producer(fail=False))
+    result = asyncio.run(kafka_hop._one_setting(KafkaSettings(), "t", 100, 3, 0.0, own_process=True))
+    assert result["consumer"] == "own process"
+    assert result["records"] == 3
+    assert result["hop_s"]["p50"] == pytest.approx(0.002)
+    assert result["client_cpu_share_of_one_core"] >= 0.1  # the reader's tenth of a core at least
+    assert _gone(tmp_path)
+
+
+def test_a_reader_that_dies_after_ready_fails_the_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    command = _program(tmp_path, 'print("ready", flush=True); sys.exit(3)')
+    monkeypatch.setattr(kafka_hop, "child_command", lambda *_: command)
+    monkeypatch.setattr(kafka_hop, "make_producer", lambda *_, **__: _Producer(fail=False))
+    with pytest.raises(RuntimeError, match="exit 3"):
+        asyncio.run(kafka_hop._one_setting(KafkaSettings(), "t", 100, 3, 0.0, own_process=True))
+
+
+def test_the_reader_stops_when_the_benchmark_is_gone() -> None:
+    """A benchmark killed with SIGKILL closes its end of the reader's stdin: the reader notices and exits."""
+    child = subprocess.Popen([sys.executable, "-c", "import asyncio; from bench.kafka_hop import _stdin_closed; "
+                              "asyncio.run(_stdin_closed()); print('gone', flush=True)"],
+                             cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        time.sleep(0.5)
+        assert child.poll() is None  # still waiting while its stdin is open
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(timeout=10)
+    finally:
+        child.kill()
+    assert child.stdout is not None
+    assert child.stdout.read().strip() == b"gone"
+
