@@ -6,9 +6,8 @@ reads it; the hop is consume time minus the timestamp the producer put in the re
 makes an idle consumer re-poll the broker all the time. Process CPU time (this process: both clients) is reported.
 
 Each setting runs twice: with the consumer in this process, and in a process of its own, as the pipeline's hops
-are (gateway → worker, worker → gateway). In one process the consumer's event loop is awake anyway (it waits for
-the producer's ack, which comes with the fetch's answer); across processes the consumer's process has to be woken
-from its idle wait, which is what a pipeline hop pays on top of the broker.
+are (gateway → worker, worker → gateway): whether waking a process idle in its wait adds to the broker's round
+trip. (On this box it does not: the two agree within noise, DEVELOPERS.md "Benchmarks on 2 cores".)
 """
 
 from __future__ import annotations
