@@ -110,7 +110,8 @@ class PriorityGate:
     async def waiting(self, assigned: set[TopicPartition]) -> dict[TopicPartition, int]:
         """Requests waiting per partition still assigned (and the queue-depth gauge per class)."""
         consumer = self._consumer
-        stale = [tp for tp in assigned if tp in consumer.paused() or self._fetched_end(tp) is None]
+        paused = consumer.paused()  # a set built from the whole assignment on each call: once, not once per partition
+        stale = [tp for tp in assigned if tp in paused or self._fetched_end(tp) is None]
         lookup = self._lookup
         if stale and self._clock() - self._looked_up_at >= self._refresh_s and (lookup is None or lookup.done()):
             self._looked_up_at = self._clock()
