@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import sys
 import time
 import uuid
@@ -27,6 +28,7 @@ from aiokafka.admin import NewTopic
 from bench.common import percentiles
 from runtime.kafka_clients import make_admin, make_consumer, make_producer
 from runtime.settings import KafkaSettings
+from runtime.supervisor import die_with_parent
 
 PAYLOAD = b"x" * 120
 #: how long a reader process may take to start and position itself
@@ -140,11 +142,13 @@ class _ReaderProcess:
 
 
 async def _reader_process(kafka: KafkaSettings, topic: str, records: int) -> Reader:
-    """The reader in a child process (``python -m bench.kafka_hop``), returned once it is positioned. It also stops
-    by itself when its stdin closes (this process killed), and Ctrl-C reaches only this process (the child is in a
+    """The reader in a child process (``python -m bench.kafka_hop``), returned once it is positioned. It dies with
+    this process (a SIGKILL included: ``die_with_parent``), and Ctrl-C reaches only this process (the child is in a
     session of its own, stopped by ``close``)."""
-    child = await asyncio.create_subprocess_exec(*child_command(topic, records, kafka), stdin=asyncio.subprocess.PIPE,
-                                                 stdout=asyncio.subprocess.PIPE, start_new_session=True)
+    parent = os.getpid()
+    child = await asyncio.create_subprocess_exec(*child_command(topic, records, kafka), stdout=asyncio.subprocess.PIPE,
+                                                 start_new_session=True,
+                                                 preexec_fn=lambda: die_with_parent(parent, set()))
     assert child.stdout is not None
     try:
         line = await asyncio.wait_for(child.stdout.readline(), READY_TIMEOUT_S)
@@ -165,30 +169,12 @@ async def _kill(child: asyncio.subprocess.Process) -> None:
 
 async def _child(topic: str, records: int, kafka: KafkaSettings) -> None:
     """The reader process: ``ready`` once positioned, then one JSON line (its hops, its CPU and wall seconds)."""
-    orphaned = asyncio.create_task(_stdin_closed())
-    reading = asyncio.create_task(_positioned(kafka, topic, records))
-    either: list[asyncio.Future[Any]] = [orphaned, reading]
-    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-    if orphaned.done():
-        raise SystemExit("the benchmark is gone")
-    hops_task = reading.result()
+    reading = await _positioned(kafka, topic, records)
     print("ready", flush=True)
     cpu_start, wall_start = time.process_time(), time.perf_counter()
-    either = [orphaned, hops_task]
-    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-    if not hops_task.done():
-        raise SystemExit("the benchmark is gone")
-    hops = hops_task.result()
+    hops = await reading
     print(json.dumps({"hops": hops, "cpu_s": time.process_time() - cpu_start,
                       "wall_s": time.perf_counter() - wall_start}), flush=True)
-
-
-async def _stdin_closed() -> None:
-    """Returns when the other end of stdin closes (the benchmark exited or was killed)."""
-    reader = asyncio.StreamReader()
-    await asyncio.get_running_loop().connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    while await reader.read(4096):
-        pass
 
 
 async def run(kafka: KafkaSettings, waits: list[int], records: int, gap_s: float) -> list[dict[str, Any]]:

@@ -149,19 +149,26 @@ def test_a_reader_that_dies_after_ready_fails_the_setting(tmp_path: Path, monkey
         asyncio.run(kafka_hop._one_setting(KafkaSettings(), "t", 100, 3, 0.0, own_process=True))
 
 
-def test_the_reader_stops_when_the_benchmark_is_gone() -> None:
-    """A benchmark killed with SIGKILL closes its end of the reader's stdin: the reader notices and exits."""
-    child = subprocess.Popen([sys.executable, "-c", "import asyncio; from bench.kafka_hop import _stdin_closed; "
-                              "asyncio.run(_stdin_closed()); print('gone', flush=True)"],
-                             cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+def test_the_reader_dies_with_the_benchmark(tmp_path: Path) -> None:
+    """A benchmark killed with SIGKILL runs no ``finally``: its reader process goes with it all the same."""
+    child = _program(tmp_path, 'print("ready", flush=True); time.sleep(60)')
+    benchmark = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import asyncio, time
+        from bench import kafka_hop
+        from runtime.settings import KafkaSettings
+        kafka_hop.child_command = lambda *_: {child!r}
+        async def main():
+            await kafka_hop._reader_process(KafkaSettings(), "t", 10)
+            print("positioned", flush=True)
+            await asyncio.sleep(60)
+        asyncio.run(main())
+    """)], cwd=REPO, stdout=subprocess.PIPE)
     try:
-        time.sleep(0.5)
-        assert child.poll() is None  # still waiting while its stdin is open
-        assert child.stdin is not None
-        child.stdin.close()
-        child.wait(timeout=10)
+        assert benchmark.stdout is not None
+        assert benchmark.stdout.readline().strip() == b"positioned"
+        assert not _gone(tmp_path, within_s=0.3)  # alive while the benchmark is
+        benchmark.kill()
+        benchmark.wait(timeout=10)
     finally:
-        child.kill()
-    assert child.stdout is not None
-    assert child.stdout.read().strip() == b"gone"
-
+        benchmark.kill()
+    assert _gone(tmp_path)
