@@ -130,11 +130,11 @@ class _ReaderProcess:
 
     async def answer(self) -> tuple[list[float], float]:
         assert self.child.stdout is not None
-        line = await self.child.stdout.readline()
-        if not line:
+        out = await self.child.stdout.read()  # to its end: one line, longer than a stream reader's line limit
+        if not out.strip():
             await self.child.wait()
             raise RuntimeError(f"the reader process failed (exit {self.child.returncode})")
-        answer = json.loads(line)
+        answer = json.loads(out)
         return answer["hops"], answer["cpu_s"] / answer["wall_s"]
 
     async def close(self) -> None:

@@ -7,7 +7,6 @@ get ready, saying something else, never ready. Each writes its pid to a file, so
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 import textwrap
@@ -18,6 +17,7 @@ import pytest
 from aiokafka.errors import KafkaConnectionError
 
 from bench import kafka_hop
+from runtime.reaper import is_alive, read_proc
 from runtime.settings import KafkaSettings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,15 +34,14 @@ def _program(tmp_path: Path, body: str) -> list[str]:
 
 
 def _gone(tmp_path: Path, within_s: float = 2.0) -> bool:
-    pid = int((tmp_path / "pid").read_text())
+    """The child has finished (a zombie nobody reaped yet counts: it runs no more; a recycled pid is another)."""
+    proc = read_proc(int((tmp_path / "pid").read_text()))
     deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
+    while proc is not None and is_alive(proc):
+        if time.monotonic() > deadline:
+            return False
         time.sleep(0.05)
-    return False
+    return True
 
 
 async def _wait_for_pid(tmp_path: Path) -> None:
@@ -83,7 +82,7 @@ def test_a_reader_that_says_something_else_fails_at_once_and_is_killed(tmp_path:
 def test_a_reader_never_ready_times_out_and_is_killed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     command = _program(tmp_path, "time.sleep(60)")
     monkeypatch.setattr(kafka_hop, "child_command", lambda *_: command)
-    monkeypatch.setattr(kafka_hop, "READY_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(kafka_hop, "READY_TIMEOUT_S", 3.0)  # long enough for the child to start on a loaded box
     with pytest.raises(TimeoutError):
         asyncio.run(kafka_hop._reader_process(KafkaSettings(), "t", 10))
     assert _gone(tmp_path)
@@ -139,6 +138,16 @@ def test_a_reader_that_answers_is_measured(tmp_path: Path, monkeypatch: pytest.M
     assert result["hop_s"]["p50"] == pytest.approx(0.002)
     assert result["client_cpu_share_of_one_core"] >= 0.1  # the reader's tenth of a core at least
     assert _gone(tmp_path)
+
+
+def test_a_long_answer_is_read_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--records 7000``: the reader's answer is one line of about 80 kB, past asyncio's 64 KiB line limit."""
+    answer = '{"hops": [' + ", ".join(["0.0011623"] * 7000) + '], "cpu_s": 0.01, "wall_s": 1.0}'
+    command = _program(tmp_path, f'print("ready", flush=True); print({answer!r}, flush=True)')
+    monkeypatch.setattr(kafka_hop, "child_command", lambda *_: command)
+    monkeypatch.setattr(kafka_hop, "make_producer", lambda *_, **__: _Producer(fail=False))
+    result = asyncio.run(kafka_hop._one_setting(KafkaSettings(), "t", 100, 1, 0.0, own_process=True))
+    assert result["records"] == 7000
 
 
 def test_a_reader_that_dies_after_ready_fails_the_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
