@@ -53,18 +53,20 @@ class ControlListener:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        consumer = make_consumer(self._kafka, role="worker-control")
+        consumer = make_consumer(self._kafka, role="worker-control", follower=True)
         await consumer.start()
         partitions = await all_partitions(consumer, self._topic)
-        consumer.assign(partitions)
+        # Both looked up before the consumer fetches: a lookup behind its parked long poll would wait it out.
+        # The ends first: an event written after that lookup is at or past its end, one written before within
+        # the look-back is the times lookup's hit; none falls between (seek_to_end after the times lookup
+        # skipped an event written between the two).
+        ends = await consumer.end_offsets(partitions)
         since_ms = int((time.time() - self._lookback_s) * 1000)
         found = await consumer.offsets_for_times({tp: since_ms for tp in partitions})
+        consumer.assign(partitions)
         for tp in partitions:
             hit = found.get(tp)
-            if hit is None:
-                await consumer.seek_to_end(tp)
-            else:
-                consumer.seek(tp, hit.offset)
+            consumer.seek(tp, ends[tp] if hit is None else hit.offset)
         self._consumer = consumer
         self._task = asyncio.create_task(
             consume(consumer, codec_for(ControlEvent), self._handle, stop=self._stop,

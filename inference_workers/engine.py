@@ -71,6 +71,10 @@ class VllmEngine:
         if eff.omp_num_threads:
             os.environ["OMP_NUM_THREADS"] = str(eff.omp_num_threads)
         os.environ.update(engine_env(engine))
+        # Spawned, never forked (vLLM's default on a GPU): a forked engine core would inherit this loop's signal
+        # wake-up socket (uvloop sets it when the loop starts, runtime/event_loop.py), and a signal sent to the
+        # engine core alone would reach the worker's handlers too. vLLM on the CPU spawns anyway.
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 

@@ -16,7 +16,7 @@ from inference_workers.engine import VllmEngine
 from inference_workers.protocol import EngineClient, EngineDeadError
 from inference_workers.synthetic import SyntheticEngine, engine_phase
 from inference_workers.worker import Worker
-from runtime import gc_pauses
+from runtime import event_loop, gc_pauses
 from runtime.cpu_priority import yield_to_engines
 from runtime.logs import configure_logging
 from runtime.reaper import start_reaper
@@ -59,7 +59,7 @@ def run() -> None:
         # it, stops the engine (and anything else we started) once this process is gone, even by SIGKILL.
         start_reaper("worker-reaper")
     try:
-        asyncio.run(serve(settings))
+        event_loop.run(serve(settings), settings.cpu.event_loop)
     except (EngineDeadError, FatalError) as exc:
         log.critical("worker stopping", extra={"reason": repr(exc)})
         sys.exit(2)

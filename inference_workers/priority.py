@@ -61,6 +61,8 @@ class PriorityGate:
         #: when select() last began to leave waiting classes out with nothing admitted since (see ``_stalled``)
         self._restricted_since: float | None = None
         self._lookup: asyncio.Future[None] | None = None
+        #: when select() last looked (the consume loop is fetching): report_depth() has nothing to add then
+        self._selected_at = float("-inf")
 
     def rank(self, tp: TopicPartition) -> int:
         return self._rank.get(self._class_of.get(tp.topic, ""), len(self._rank))
@@ -75,6 +77,7 @@ class PriorityGate:
 
     async def select(self) -> list[TopicPartition]:
         """The partitions to fetch now, highest class first."""
+        self._selected_at = self._clock()
         waiting = await self.waiting(self._consumer.assignment())
         assigned = set(waiting)  # what is still assigned after the lookup (a rebalance may have moved some)
         classes = sorted({self._class_of.get(tp.topic, "") for tp, n in waiting.items() if n > 0},
@@ -99,9 +102,16 @@ class PriorityGate:
 
     async def report_depth(self, every_s: float = REFRESH_WHILE_FULL_S) -> None:
         """Keep the known ends and the queue-depth gauge current while the loop is not selecting (the engine is
-        full: everything is paused, and that is when the depth matters most). One ListOffsets round trip a time."""
+        full: everything is paused, and that is when the depth matters most). One ListOffsets round trip a time.
+        While the loop selects (each poll, 10 times a second idle) select() does the same: a look here would only
+        double the worker's idle cost, so the next look is a period after the last one of either."""
+        next_look = self._clock() + every_s
         while True:
-            await asyncio.sleep(every_s)
+            await asyncio.sleep(max(0.0, next_look - self._clock()))
+            if self._clock() < self._selected_at + every_s:
+                next_look = self._selected_at + every_s
+                continue
+            next_look = self._clock() + every_s
             try:
                 await self.waiting(self._consumer.assignment())
             except Exception as exc:  # a rebalance under way, the broker away: measured next time, never fatal

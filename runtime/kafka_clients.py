@@ -71,9 +71,12 @@ def make_consumer(
     auto_offset_reset: Literal["earliest", "latest"] = "earliest",
     max_partition_fetch_bytes: int = 1_048_576,
     assignors: Sequence[object] = (),
+    follower: bool = False,
 ) -> AIOKafkaConsumer:
     """A consumer that never auto-commits. ``group=None`` gives a manually assigned consumer; ``assignors``
-    replaces the group's partition assignment strategy (aiokafka's round robin)."""
+    replaces the group's partition assignment strategy (aiokafka's round robin). ``follower``: once it follows it never
+    pauses, resumes or seeks a partition nor looks offsets up (its idle polls can be long:
+    ``kafka.follow_fetch_max_wait_ms``; anything else waits out the poll parked at the broker)."""
     extra: dict[str, object] = {"partition_assignment_strategy": tuple(assignors)} if assignors else {}
     return AIOKafkaConsumer(
         bootstrap_servers=kafka.bootstrap_servers,
@@ -83,7 +86,7 @@ def make_consumer(
         enable_auto_commit=False,
         isolation_level=isolation,
         auto_offset_reset=auto_offset_reset,
-        fetch_max_wait_ms=kafka.fetch_max_wait_ms,
+        fetch_max_wait_ms=kafka.follow_fetch_max_wait_ms if follower else kafka.fetch_max_wait_ms,
         max_partition_fetch_bytes=max_partition_fetch_bytes,
         session_timeout_ms=kafka.session_timeout_ms,
         heartbeat_interval_ms=kafka.heartbeat_interval_ms,

@@ -27,6 +27,11 @@ class KafkaSettings(BaseModel):
     # A long poll returns as soon as a record arrives, so this bounds only idle polls: a short wait buys no latency
     # and makes idle consumers re-poll the broker all the time (bench: kns bench kafka-hop).
     fetch_max_wait_ms: int = 100
+    # The same for a follower (``make_consumer(follower=True)``). While a poll is parked at the broker, the
+    # consumer cannot fetch anew (after a pause, resume or seek), and the broker answers nothing else on its
+    # connection (end offsets, offsets for times): Kafka takes one request per connection at a time. A consumer
+    # that does none of these once it follows can poll long; each idle poll costs it and the broker a round trip.
+    follow_fetch_max_wait_ms: int = 500
     producer_linger_ms: int = 0
     compression: Literal["none", "lz4", "gzip", "zstd", "snappy"] = "lz4"
     session_timeout_ms: int = 10_000
@@ -460,6 +465,8 @@ class CpuSettings(BaseModel):
     #: once its engine runs, the local stack's Kafka, Cassandra and Redis); the engine's processes stay at 0, so
     #: a step of the engine never waits for a core behind the relaying of the last one. 0: everything at 0.
     yield_nice: int = Field(default=10, ge=0, le=19)
+    #: the event loop of the worker (``runtime/event_loop.py``; the gateway's is uvicorn's, uvloop when installed)
+    event_loop: Literal["uvloop", "asyncio"] = "uvloop"
 
 
 class ObservabilitySettings(BaseModel):
