@@ -55,24 +55,33 @@ class ControlListener:
     async def start(self) -> None:
         consumer = make_consumer(self._kafka, role="worker-control", follower=True)
         await consumer.start()
-        partitions = await all_partitions(consumer, self._topic)
-        # Both looked up before the consumer fetches: a lookup behind its parked long poll would wait it out.
-        # The ends first: an event written after that lookup is at or past its end, one written before within
-        # the look-back is the times lookup's hit; none falls between (seek_to_end after the times lookup
-        # skipped an event written between the two).
-        ends = await consumer.end_offsets(partitions)
-        since_ms = int((time.time() - self._lookback_s) * 1000)
-        found = await consumer.offsets_for_times({tp: since_ms for tp in partitions})
-        consumer.assign(partitions)
-        for tp in partitions:
-            hit = found.get(tp)
-            consumer.seek(tp, ends[tp] if hit is None else hit.offset)
+        try:
+            await self._start_from_lookback(consumer)
+        except BaseException:
+            await consumer.stop()  # Kafka away longer than a request's timeout: the worker stops, nothing left open
+            raise
         self._consumer = consumer
         self._task = asyncio.create_task(
             consume(consumer, codec_for(ControlEvent), self._handle, stop=self._stop,
                     undecodable=self._undecodable if self._dead_letters else None),
             name="control-listener",
         )
+
+    async def _start_from_lookback(self, consumer: AIOKafkaConsumer) -> None:
+        """Position every partition at the look-back's first event. Both offsets are looked up before the
+        consumer fetches (a lookup behind its parked long poll would wait it out), the ends first: an event
+        written after that lookup is at or past its end, one written before it within the look-back is the
+        times lookup's hit, so none falls between (``seek_to_end`` after the times lookup skipped one)."""
+        partitions = await all_partitions(consumer, self._topic)
+        ends = await consumer.end_offsets(partitions)
+        since_ms = int((time.time() - self._lookback_s) * 1000)
+        found = await consumer.offsets_for_times({tp: since_ms for tp in partitions})
+        consumer.assign(partitions)
+        for tp in partitions:
+            hit = found.get(tp)
+            # A hit past the end is an event written since the first lookup, stamped before the look-back by a
+            # clock behind ours: what lies between was written since too, and is read.
+            consumer.seek(tp, ends[tp] if hit is None else min(hit.offset, ends[tp]))
 
     async def _undecodable(self, record: ConsumerRecord[bytes, bytes], exc: DecodeError) -> None:
         assert self._dead_letters is not None

@@ -100,18 +100,18 @@ class PriorityGate:
             self._restricted_since = now
         return now - self._restricted_since > STALL_S
 
-    async def report_depth(self, every_s: float = REFRESH_WHILE_FULL_S) -> None:
+    async def report_depth(self, every_s: float = REFRESH_WHILE_FULL_S, *,
+                           engine_full: Callable[[], bool] = lambda: True) -> None:
         """Keep the known ends and the queue-depth gauge current while the loop is not selecting (the engine is
         full: everything is paused, and that is when the depth matters most). One ListOffsets round trip a time.
-        While the loop selects (each poll, 10 times a second idle) select() does the same: a look here would only
-        double the worker's idle cost, so the next look is a period after the last one of either."""
-        next_look = self._clock() + every_s
+        With room in the engine the loop selects on each poll (at least every 100 ms) and select() looks then: a
+        look here too only doubled the idle worker's cost. So with room it looks only when select() has not for
+        two periods (a slow batch, a back-off, no priority classes); with the engine full, every period. (Told
+        apart by the clock alone, a period after select()'s look raced select()'s next one.)"""
         while True:
-            await asyncio.sleep(max(0.0, next_look - self._clock()))
-            if self._clock() < self._selected_at + every_s:
-                next_look = self._selected_at + every_s
+            await asyncio.sleep(every_s)
+            if not engine_full() and self._clock() - self._selected_at < 2 * every_s:
                 continue
-            next_look = self._clock() + every_s
             try:
                 await self.waiting(self._consumer.assignment())
             except Exception as exc:  # a rebalance under way, the broker away: measured next time, never fatal

@@ -165,7 +165,8 @@ class Worker:
             gate = PriorityGate(consumer, queues, ranks, min_share=worker.priority_min_share,
                                 refresh_s=worker.priority_refresh_s)
 
-            depth_loop = asyncio.create_task(gate.report_depth(), name="queue-depth")
+            depth_loop = asyncio.create_task(gate.report_depth(engine_full=lambda: intake.capacity() <= 0),
+                                             name="queue-depth")
             liveness = WorkerLiveness(redis, s.redis, consumer, group=group, instance_id=worker.instance_id,
                                       ttl_s=worker.liveness_ttl_s, renew_s=worker.liveness_renew_s)
             liveness_loop = (asyncio.create_task(liveness.run(), name="worker-liveness") if worker.liveness_ttl_s

@@ -11,22 +11,20 @@ misbehave under uvloop.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any, Literal, TypeVar
-
-import uvloop
 
 T = TypeVar("T")
 
 EventLoop = Literal["uvloop", "asyncio"]
 
-_FACTORIES: dict[EventLoop, Callable[[], asyncio.AbstractEventLoop] | None] = {
-    "uvloop": uvloop.new_event_loop,
-    "asyncio": None,  # asyncio's own
-}
-
 
 def run(main: Coroutine[Any, Any, T], loop: EventLoop = "uvloop") -> T:
-    """``asyncio.run(main)`` on the chosen loop."""
-    with asyncio.Runner(loop_factory=_FACTORIES[loop]) as runner:
+    """``asyncio.run(main)`` on the chosen loop (uvloop is imported only when chosen: the way back needs none)."""
+    factory = None  # asyncio's own
+    if loop == "uvloop":
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(main)

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from aiokafka.admin import NewTopic
+from aiokafka.errors import KafkaTimeoutError
 
 import inference_workers.control as control
 from inference_workers.control import ControlListener
@@ -85,3 +86,28 @@ async def test_a_cancel_written_while_the_listener_looks_up_where_to_start_is_de
     finally:
         await listener.stop()
         await producer.stop()
+
+
+async def test_a_start_that_cannot_look_up_its_offsets_leaves_no_consumer_open(
+        control_topic: tuple[KafkaSettings, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second review: a lookup that fails (Kafka away longer than a request's timeout) raised out of start()
+    with the consumer running, before the worker could stop it."""
+    kafka, topic = control_topic
+    started: list[Any] = []
+    real_make_consumer = control.make_consumer
+
+    def consumer_without_offsets(*args: Any, **kwargs: Any) -> Any:
+        consumer = real_make_consumer(*args, **kwargs)
+
+        async def unreachable(*_a: Any, **_kw: Any) -> Any:
+            raise KafkaTimeoutError()
+
+        consumer.end_offsets = unreachable
+        started.append(consumer)
+        return consumer
+
+    monkeypatch.setattr(control, "make_consumer", consumer_without_offsets)
+    listener = ControlListener(kafka, topic, lookback_s=60.0, on_event=lambda _e: None)
+    with pytest.raises(KafkaTimeoutError):
+        await listener.start()
+    assert started and started[0]._closed, "the consumer was left running"
