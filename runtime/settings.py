@@ -15,6 +15,8 @@ from typing import Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from runtime.event_loop import EventLoop
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -466,7 +468,7 @@ class CpuSettings(BaseModel):
     #: a step of the engine never waits for a core behind the relaying of the last one. 0: everything at 0.
     yield_nice: int = Field(default=10, ge=0, le=19)
     #: the event loop of the worker (``runtime/event_loop.py``; the gateway's is uvicorn's, uvloop when installed)
-    event_loop: Literal["uvloop", "asyncio"] = "uvloop"
+    event_loop: EventLoop = "uvloop"
 
 
 class ObservabilitySettings(BaseModel):

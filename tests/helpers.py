@@ -8,14 +8,17 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 from aiokafka import TopicPartition
+from aiokafka.admin import NewTopic
 
 from producers.relay.collector import Delta, StreamCollector
-from runtime.kafka_clients import all_partitions, make_consumer, read_to_end
+from runtime.kafka_clients import all_partitions, make_admin, make_consumer, read_to_end
 from runtime.settings import REPO_ROOT, KafkaSettings
 from schemas.codec import EventCodec
 from schemas.events import Event, TokenEvent, TokenUsage
@@ -94,6 +97,21 @@ class ServiceProcess:
 
 
 Row = tuple[TopicPartition, int, Event, list[tuple[str, bytes]]]
+
+
+@asynccontextmanager
+async def scratch_topics(kafka: KafkaSettings, *topics: NewTopic) -> AsyncIterator[None]:
+    """Topics of a test's own on the real broker, deleted afterwards (also when the test fails)."""
+    admin = make_admin(kafka)
+    await admin.start()
+    try:
+        await admin.create_topics(list(topics))
+        try:
+            yield
+        finally:
+            await admin.delete_topics([t.name for t in topics])
+    finally:
+        await admin.close()
 
 
 async def read_topic(kafka: KafkaSettings, topic: str, codec: EventCodec[Event], *,

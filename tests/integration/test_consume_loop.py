@@ -12,12 +12,12 @@ import pytest_asyncio
 from aiokafka import ConsumerRecord, TopicPartition
 from aiokafka.admin import NewTopic
 
-from runtime.kafka_clients import consume, make_admin, make_consumer, make_producer
+from runtime.kafka_clients import consume, make_consumer, make_producer
 from runtime.settings import KafkaSettings
 from schemas.codec import codec_for
 from schemas.errors import RetryLater
 from schemas.events import ControlAction, ControlEvent, utcnow
-from tests.helpers import wait_for
+from tests.helpers import scratch_topics, wait_for
 
 pytestmark = pytest.mark.integration
 CODEC = codec_for(ControlEvent)
@@ -26,12 +26,8 @@ CODEC = codec_for(ControlEvent)
 @pytest_asyncio.fixture(loop_scope="session")
 async def topic(kafka: KafkaSettings) -> AsyncIterator[str]:
     name = kafka.topic(f"test-consume-{uuid.uuid4().hex[:8]}")
-    admin = make_admin(kafka)
-    await admin.start()
-    await admin.create_topics([NewTopic(name, 2, 1)])
-    yield name
-    await admin.delete_topics([name])
-    await admin.close()
+    async with scratch_topics(kafka, NewTopic(name, 2, 1)):
+        yield name
 
 
 async def produce(kafka: KafkaSettings, topic: str, partition: int, n: int) -> list[str]:

@@ -19,11 +19,12 @@ from aiokafka.errors import KafkaTimeoutError
 
 import inference_workers.control as control
 from inference_workers.control import ControlListener
-from runtime.kafka_clients import make_admin, make_producer
+from runtime.kafka_clients import make_producer
 from runtime.settings import KafkaSettings, Settings
 from schemas.codec import codec_for
 from schemas.events import ControlAction, ControlEvent, utcnow
 from schemas.topics import TOPICS
+from tests.helpers import scratch_topics
 
 pytestmark = pytest.mark.integration
 
@@ -32,14 +33,8 @@ pytestmark = pytest.mark.integration
 async def control_topic(settings: Settings) -> AsyncIterator[tuple[KafkaSettings, str]]:
     kafka = settings.kafka
     name = kafka.topic(f"test-control-{uuid.uuid4().hex[:8]}")
-    admin = make_admin(kafka)
-    await admin.start()
-    await admin.create_topics([NewTopic(name, 3, 1, topic_configs=TOPICS.control.configs())])  # empty partitions
-    try:
+    async with scratch_topics(kafka, NewTopic(name, 3, 1, topic_configs=TOPICS.control.configs())):  # empty
         yield kafka, name
-    finally:
-        await admin.delete_topics([name])
-        await admin.close()
 
 
 async def test_a_cancel_written_while_the_listener_looks_up_where_to_start_is_delivered(

@@ -15,12 +15,13 @@ import pytest_asyncio
 from aiokafka.admin import NewTopic
 
 from inference_workers.prefix import PrefixReader
-from runtime.kafka_clients import make_admin, make_producer
+from runtime.kafka_clients import make_producer
 from runtime.settings import KafkaSettings, Settings
 from schemas.codec import codec_for
 from schemas.events import TokenEvent
 from schemas.topics import TOPICS
 from tests.fakes.worker import request
+from tests.helpers import scratch_topics
 
 pytestmark = pytest.mark.integration
 
@@ -29,14 +30,8 @@ pytestmark = pytest.mark.integration
 async def token_topic(settings: Settings) -> AsyncIterator[tuple[KafkaSettings, str]]:
     kafka = settings.kafka
     name = kafka.topic(f"test-review-prefix-{uuid.uuid4().hex[:8]}")
-    admin = make_admin(kafka)
-    await admin.start()
-    await admin.create_topics([NewTopic(name, 1, 1, topic_configs=TOPICS.tokens.configs())])  # as provisioned
-    try:
+    async with scratch_topics(kafka, NewTopic(name, 1, 1, topic_configs=TOPICS.tokens.configs())):  # as provisioned
         yield kafka, name
-    finally:
-        await admin.delete_topics([name])
-        await admin.close()
 
 
 async def test_a_prefix_read_by_time_finds_the_events_of_a_worker_whose_clock_is_behind(

@@ -15,8 +15,9 @@ from aiokafka import TopicPartition
 from aiokafka.admin import NewTopic
 
 from inference_workers.priority import WINDOW, PriorityGate
-from runtime.kafka_clients import all_partitions, make_admin, make_consumer, make_producer
+from runtime.kafka_clients import all_partitions, make_consumer, make_producer
 from runtime.settings import KafkaSettings
+from tests.helpers import scratch_topics
 
 pytestmark = pytest.mark.integration
 RANKS = {"high": 0, "standard": 1, "low": 2}
@@ -26,19 +27,15 @@ RANKS = {"high": 0, "standard": 1, "low": 2}
 async def queues(kafka: KafkaSettings) -> AsyncIterator[tuple[str, str]]:
     run = uuid.uuid4().hex[:8]
     high, low = kafka.topic(f"test-prio-high-{run}"), kafka.topic(f"test-prio-low-{run}")
-    admin = make_admin(kafka)
-    await admin.start()
-    await admin.create_topics([NewTopic(high, 2, 1), NewTopic(low, 1, 1)])
-    probe = make_consumer(kafka, role="test-prio-probe")
-    await probe.start()
-    try:  # the topics are in the metadata before a test assigns them
-        await all_partitions(probe, high)
-        await all_partitions(probe, low)
-    finally:
-        await probe.stop()
-    yield high, low
-    await admin.delete_topics([high, low])
-    await admin.close()
+    async with scratch_topics(kafka, NewTopic(high, 2, 1), NewTopic(low, 1, 1)):
+        probe = make_consumer(kafka, role="test-prio-probe")
+        await probe.start()
+        try:  # the topics are in the metadata before a test assigns them
+            await all_partitions(probe, high)
+            await all_partitions(probe, low)
+        finally:
+            await probe.stop()
+        yield high, low
 
 
 async def _produce(kafka: KafkaSettings, topic: str, partition: int, n: int) -> None:
