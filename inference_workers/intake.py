@@ -558,7 +558,7 @@ class Intake:
                               ErrorCode.TOKEN_DELIVERY_FAILED.value, outcome.cached_tokens)
         completion = job.tokens + len(outcome.final_ids)
         if job.undelivered_from is not None:
-            completion = min(completion, job.undelivered_from)
+            completion = await self._landed(job)
         if job.received_cap is not None and outcome.finish_reason == "cancelled":
             # Billed for what its client received: a hang-up's tokens in flight are not, and tokens a stalled
             # predecessor sent after this takeover read the log are (nobody else bills them).
@@ -585,6 +585,19 @@ class Intake:
         WORKER_FINISHED.labels(finish_reason=outcome.finish_reason).inc()
         log.info("request finished", extra={"finish_reason": outcome.finish_reason, "completion_tokens": completion,
                                             "attempt": job.attempt, "billed": billed})
+
+    async def _landed(self, job: Job) -> int:
+        """Completion tokens the client can have after a delta the producer reports undelivered. That report does not
+        say the record is missing: the broker may have appended it and its answer been lost (it stopped, the
+        connection dropped), and the client's relay then reads it. So the log is read back, merged as the relay
+        merges it (a record really missing ends that merge at the gap, as it ends the client's stream)."""
+        prefix = await self._read_prefix(job)
+        landed = min(job.tokens, prefix.tokens)
+        if landed != job.undelivered_from:
+            log.warning("undelivered token delta found on the log", extra={
+                "request_id": job.request.request_id, "acknowledged_tokens": job.undelivered_from,
+                "landed_tokens": landed})
+        return landed
 
     def state(self) -> list[dict[str, object]]:
         return [job.describe() for job in self.jobs.values()]

@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 from aiokafka import TopicPartition
+from aiokafka.errors import KafkaTimeoutError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from inference_workers.offsets import Taken
@@ -14,7 +15,7 @@ from inference_workers.presence import GatewayPresence
 from schemas.errors import DecodeError, RetryLater
 from schemas.headers import request_headers
 from tests.fakes.engine import FakeEngine
-from tests.fakes.kafka import FakeGroup
+from tests.fakes.kafka import FakeGroup, FakeSink, ReplyLog, Sent
 from tests.fakes.worker import TOPIC, FakeWorker, record, request
 
 P0 = TopicPartition(TOPIC, 0)
@@ -119,3 +120,42 @@ async def test_the_streams_of_a_gateway_that_is_gone_are_cancelled_and_billed_fo
     assert group.usage[0].completion_tokens == 2  # what the gateway could have delivered, not the 5 generated
     assert kept.request_id in worker.intake.jobs
     await worker.assign()
+
+
+class AckLostSink(FakeSink):
+    """The broker appends the delta at ``landed_unacked`` but its answer never comes back (it stopped, or the
+    connection dropped, after the append): the producer reports a failure for a record that is on the log."""
+
+    def __init__(self, log: ReplyLog, landed_unacked: int) -> None:
+        super().__init__(log)
+        self.landed_unacked = landed_unacked
+
+    async def emit(self, event, partition, traceparent):  # type: ignore[no-untyped-def]
+        # As TokenSink.emit: nothing awaited, so the event is queued and counted in one step (no cancel between).
+        self.log.records.append(Sent(event.event(), partition))
+        delivery: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        if event.token_offset == self.landed_unacked:
+            delivery.set_exception(KafkaTimeoutError("no answer within request_timeout_ms"))
+        else:
+            delivery.set_result(type("Meta", (), {"offset": len(self.log.records) - 1})())
+        return delivery
+
+
+async def test_a_delta_appended_whose_ack_was_lost_is_billed_as_received() -> None:
+    """restart-broker (CI, once): the broker went away with a token record appended and unacknowledged. The worker
+    billed the acknowledged tokens (32); the client's relay read the record from the log and received 33. A
+    failed delivery does not say the record is missing: what the client can have is what the log holds."""
+    group = FakeGroup()
+    worker = FakeWorker("w1", group, FakeEngine(auto=False))
+    await worker.assign(0)
+    req = request(max_tokens=10)
+    worker.intake._sink = AckLostSink(group.log, landed_unacked=3)  # type: ignore[assignment]
+    await worker.handle(req, 0, 0)
+    worker.engine.step(req.request_id, 10)
+    await worker.settle()
+    _, stream = group.log.client_view(req.request_id)
+    (usage,) = group.usage
+    assert stream.final is not None and stream.final.error_code == "token_delivery_failed"
+    assert stream.final.usage is not None and stream.final.usage.completion_tokens == stream.tokens
+    assert usage.completion_tokens == stream.tokens >= 4, (
+        f"billed {usage.completion_tokens}; the client received {stream.tokens}")
