@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 
 from aiokafka import ConsumerRecord, TopicPartition
 
-from runtime.kafka_clients import all_partitions, consume, make_consumer
+from runtime.kafka_clients import all_partitions, consume, make_consumer, stop_consumer
 from runtime.settings import KafkaSettings
 from schemas.codec import codec_for
 from schemas.events import UsageEvent
@@ -90,5 +90,5 @@ async def replay_usage(kafka: KafkaSettings, start: datetime, end: datetime,
         await at_end()
         await consume(consumer, codec_for(UsageEvent), take, stop=stop, on_batch_end=at_end, poll_timeout_ms=200)
     finally:
-        await consumer.stop()
+        await stop_consumer(consumer)
     return replay

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from aiokafka import AIOKafkaConsumer, ConsumerRecord
 
 from runtime.dead_letters import DeadLetters
-from runtime.kafka_clients import all_partitions, consume, make_consumer
+from runtime.kafka_clients import all_partitions, consume, make_consumer, stop_consumer
 from runtime.settings import KafkaSettings
 from schemas.codec import codec_for
 from schemas.errors import DecodeError
@@ -58,7 +58,8 @@ class ControlListener:
         try:
             await self._start_from_lookback(consumer)
         except BaseException:
-            await consumer.stop()  # Kafka away longer than a request's timeout: the worker stops, nothing left open
+            # Kafka away longer than a request's timeout: the worker stops, nothing left open
+            await stop_consumer(consumer)
             raise
         self._consumer = consumer
         self._task = asyncio.create_task(
@@ -99,4 +100,4 @@ class ControlListener:
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
         if self._consumer is not None:
-            await self._consumer.stop()
+            await stop_consumer(self._consumer)

@@ -19,7 +19,7 @@ import time
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from inference_workers.resume import EmittedPrefix
-from runtime.kafka_clients import make_consumer
+from runtime.kafka_clients import make_consumer, stop_consumer
 from runtime.settings import KafkaSettings
 from schemas.codec import codec_for
 from schemas.errors import DecodeError
@@ -51,7 +51,7 @@ class PrefixReader:
 
     async def stop(self) -> None:
         if self._consumer is not None:
-            await self._consumer.stop()
+            await stop_consumer(self._consumer)
 
     async def read(self, request: ChatRequest, first_offset: int | None) -> EmittedPrefix:
         assert self._consumer is not None, "start() first"

@@ -33,7 +33,7 @@ from inference_workers.token_sink import TokenSink
 from inference_workers.transactions import PartitionTransactions
 from runtime.dead_letters import DeadLetters
 from runtime.faults import Faults
-from runtime.kafka_clients import committed_with_metadata, consume, make_consumer, make_producer
+from runtime.kafka_clients import committed_with_metadata, consume, make_consumer, make_producer, stop_consumer
 from runtime.limiter import RateLimiter
 from runtime.redis_client import make_redis
 from runtime.settings import Settings
@@ -199,7 +199,7 @@ class Worker:
                     await intake.drain(worker.drain_timeout_s)
                 if not commit_loop.done():
                     await finalizer.stop()
-                await consumer.stop()
+                await stop_consumer(consumer)
                 if liveness_loop is not None:
                     # Renewed until the consumer left: a draining worker still owns its partitions.
                     liveness_loop.cancel()
@@ -214,5 +214,8 @@ class Worker:
         done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
         stop.cancel()
         for future in done:
-            if future is not stop and future.exception() is not None:
-                raise future.exception()  # type: ignore[misc]
+            error = None if future is stop else future.exception()
+            if error is not None:
+                # Logged now: stopping with Kafka away can fail too, and its error would be the one reported.
+                log.error("worker failed; stopping", exc_info=error)
+                raise error

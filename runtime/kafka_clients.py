@@ -5,7 +5,9 @@ defaults (idempotence and ``acks=all`` everywhere, ``read_committed`` unless a c
 before their transaction commits). :func:`consume` owns polling, decoding, backpressure (pausing partitions
 when the caller has no capacity), deferral (a handler that cannot proceed now), undecodable records and
 shutdown; callers supply an ``async def handle(event, record)``. It never commits: the callers that track
-offsets commit them themselves (the worker inside its Kafka transactions).
+offsets commit them themselves (the worker inside its Kafka transactions). Two aiokafka behaviours while no
+broker answers are mended here, for every client: failed metadata updates back off (``_metadata_backoff``) and
+consumers stop whole (:func:`stop_consumer`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Literal, Protocol, TypeVar
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka import AIOKafkaClient, AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError, for_code
 from aiokafka.structs import OffsetAndMetadata
@@ -38,6 +40,31 @@ Isolation = Literal["read_committed", "read_uncommitted"]
 
 #: fetches of the cluster's metadata before a topic is declared missing (about 5 s in all)
 METADATA_ATTEMPTS = 10
+#: the longest pause between two failed metadata updates of one client (they start at its retry_backoff_ms)
+METADATA_BACKOFF_MAX_S = 1.0
+
+
+def _metadata_backoff(client: AIOKafkaClient) -> None:
+    """Pause a client's metadata updates after each failed one, doubling up to ``METADATA_BACKOFF_MAX_S``.
+
+    aiokafka (0.14) retries them with no pause while no broker answers: a failed connect asks for a metadata update,
+    and its producer's sender and consumer's fetcher wait on that update and ask again at once. A refused connect
+    takes microseconds, so every client spun (thousands of failed connects per second per worker, 400k log lines
+    per outage, the CPU the broker needed to come back). Kafka's own clients back off (reconnect.backoff.max.ms).
+    The pause is inside the update, so everything waiting on it waits too."""
+    update = client._metadata_update  # aiokafka has no setting for it
+    delay = [client._retry_backoff]
+
+    async def update_or_back_off(cluster: object, topics: object) -> bool:
+        updated: bool = await update(cluster, topics)
+        if updated:
+            delay[0] = client._retry_backoff
+        else:
+            await asyncio.sleep(delay[0])
+            delay[0] = min(delay[0] * 2, METADATA_BACKOFF_MAX_S)
+        return updated
+
+    client._metadata_update = update_or_back_off
 
 
 def _compression(kafka: KafkaSettings) -> str | None:
@@ -48,7 +75,7 @@ def make_producer(
     kafka: KafkaSettings, *, role: str, transactional_id: str | None = None
 ) -> AIOKafkaProducer:
     """An idempotent producer (``acks=all``); transactional when ``transactional_id`` is given."""
-    return AIOKafkaProducer(
+    producer = AIOKafkaProducer(
         bootstrap_servers=kafka.bootstrap_servers,
         client_id=f"{kafka.client_id}-{role}",
         acks="all",
@@ -59,6 +86,8 @@ def make_producer(
         linger_ms=kafka.producer_linger_ms,
         request_timeout_ms=kafka.request_timeout_ms,
     )
+    _metadata_backoff(producer.client)
+    return producer
 
 
 def make_consumer(
@@ -78,7 +107,7 @@ def make_consumer(
     pauses, resumes or seeks a partition nor looks offsets up (its idle polls can be long:
     ``kafka.follow_fetch_max_wait_ms``; anything else waits out the poll parked at the broker)."""
     extra: dict[str, object] = {"partition_assignment_strategy": tuple(assignors)} if assignors else {}
-    return AIOKafkaConsumer(
+    consumer = AIOKafkaConsumer(
         bootstrap_servers=kafka.bootstrap_servers,
         client_id=f"{kafka.client_id}-{role}",
         group_id=kafka.group(group) if group else None,
@@ -94,14 +123,36 @@ def make_consumer(
         request_timeout_ms=kafka.request_timeout_ms + 5_000,
         **extra,
     )
+    _metadata_backoff(consumer._client)
+    return consumer
 
 
 def make_admin(kafka: KafkaSettings) -> AIOKafkaAdminClient:
-    return AIOKafkaAdminClient(
+    admin = AIOKafkaAdminClient(
         bootstrap_servers=kafka.bootstrap_servers,
         client_id=f"{kafka.client_id}-admin",
         request_timeout_ms=kafka.request_timeout_ms,
     )
+    _metadata_backoff(admin._client)
+    return admin
+
+
+async def stop_consumer(consumer: AIOKafkaConsumer) -> None:
+    """``consumer.stop()``, done whole. aiokafka (0.14) cancels the consumer's fetches and awaits them, and a fetch
+    waiting out its retry back-off (its broker away) raises that CancelledError out of ``stop()`` before the client
+    is closed: a worker stopping on a fatal error exited with an unexplained CancelledError, and the consumer's
+    connections and metadata task lived on (spinning while the broker was away)."""
+    try:
+        await consumer.stop()
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise  # this stop itself was cancelled
+        fetches = list(consumer._fetcher._pending_tasks) if consumer._fetcher is not None else []
+        for fetch in fetches:
+            fetch.cancel()
+        await asyncio.gather(*fetches, return_exceptions=True)
+        await consumer._client.close()
 
 
 async def ensure_topics(kafka: KafkaSettings, specs: list[TopicSpec]) -> list[str]:
@@ -184,7 +235,7 @@ async def read_to_end(kafka: KafkaSettings, topic: str, codec: EventCodec[E], *,
                     out.append((tp, record.offset, event, list(record.headers or ())))
         return out
     finally:
-        await consumer.stop()
+        await stop_consumer(consumer)
 
 
 async def all_partitions(consumer: AIOKafkaConsumer, topic: str) -> list[TopicPartition]:

@@ -35,7 +35,7 @@ from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 
 from producers.relay.collector import StreamCollector
 from runtime.dead_letters import DeadLetters
-from runtime.kafka_clients import make_consumer
+from runtime.kafka_clients import make_consumer, stop_consumer
 from runtime.metrics import KAFKA_HOP, RELAY_EVENTS, RELAY_STREAMS
 from runtime.settings import KafkaSettings
 from schemas.codec import codec_for
@@ -90,7 +90,7 @@ class _Feed:
             # Resolved now: a request produced after start() must not be missed.
             self.position = await consumer.position(self.tp)
         except BaseException:
-            await consumer.stop()
+            await stop_consumer(consumer)
             raise
         self._consumer = consumer
         self.task = asyncio.create_task(self._run(consumer), name=f"relay-{self.tp.partition}")
@@ -188,7 +188,7 @@ class _Feed:
         if self.task is not None:
             await asyncio.gather(self.task, return_exceptions=True)
         if self._consumer is not None:
-            await self._consumer.stop()
+            await stop_consumer(self._consumer)
 
 
 class Relay:

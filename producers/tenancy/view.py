@@ -21,7 +21,7 @@ from aiokafka.errors import KafkaError
 from pydantic import ValidationError
 
 from runtime.dead_letters import DeadLetters
-from runtime.kafka_clients import all_partitions, make_consumer
+from runtime.kafka_clients import all_partitions, make_consumer, stop_consumer
 from runtime.settings import KafkaSettings
 from schemas.codec import codec_for
 from schemas.errors import DecodeError
@@ -113,7 +113,7 @@ class TenancyView:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._consumer is not None:
-            await self._consumer.stop()
+            await stop_consumer(self._consumer)
 
     @property
     def healthy(self) -> bool:
