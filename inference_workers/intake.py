@@ -460,12 +460,15 @@ class Intake:
         first_offset = None
         with contextlib.suppress(*CLAIM_ERRORS):  # unknown: read from the request's creation time instead
             first_offset = await self._claims.first_offset(job.request.request_id)
-        started, delay = time.monotonic(), 0.2
+        failing_since, delay = None, 0.2
         while True:
+            tried_at = time.monotonic()
             try:
                 return await self._prefix.read(job.request, first_offset)
             except (KafkaError, TimeoutError) as exc:
-                if time.monotonic() - started > self._give_up_s:
+                # Since the first read that failed, not the first try: reads wait their turn behind one another.
+                failing_since = failing_since or tried_at
+                if time.monotonic() - failing_since > self._give_up_s:
                     # Nothing is committed: the partition's next owner reads it again.
                     self.fail(FatalError(f"cannot read what {job.request.request_id} emitted: {exc!r}"))
                     job.abort_cause = "shutdown"
@@ -552,17 +555,20 @@ class Intake:
             # ``wait``, not ``gather``: a cancelled gather cancels what it waits for, and a delivery future is
             # shared by every request whose delta its record carries (token_sink.py).
             await asyncio.wait(set(job.in_flight))
-        if job.undelivered_from is not None:
+        # Billed for what its client received: a hang-up's tokens in flight are not, and tokens a stalled
+        # predecessor sent after this takeover read the log are (nobody else bills them). A delivery failing after
+        # the hang-up changes nothing for a client that is gone.
+        hung_up = job.received_cap is not None and outcome.finish_reason == "cancelled"
+        if job.undelivered_from is not None and not hung_up:
             # The client cannot have more than what reached its gateway: bill that, end the stream in error.
             outcome = Outcome("error", [], "", "a token delta could not be delivered to the client's gateway",
                               ErrorCode.TOKEN_DELIVERY_FAILED.value, outcome.cached_tokens)
         completion = job.tokens + len(outcome.final_ids)
-        if job.undelivered_from is not None:
-            completion = await self._landed(job)
-        if job.received_cap is not None and outcome.finish_reason == "cancelled":
-            # Billed for what its client received: a hang-up's tokens in flight are not, and tokens a stalled
-            # predecessor sent after this takeover read the log are (nobody else bills them).
+        if hung_up:
+            assert job.received_cap is not None
             completion = job.received_cap
+        elif job.undelivered_from is not None:
+            completion = await self._landed(job)
         prompt = len(request.prompt_token_ids)
         billed = completion > 0 or (job.ran and job.abort_cause is None)
         cached = min(outcome.cached_tokens, prompt)
@@ -592,7 +598,14 @@ class Intake:
         connection dropped), and the client's relay then reads it. So the log is read back, merged as the relay
         merges it (a record really missing ends that merge at the gap, as it ends the client's stream)."""
         prefix = await self._read_prefix(job)
-        landed = min(job.tokens, prefix.tokens)
+        if prefix.attempt > job.attempt:
+            # A newer owner emits for it: this worker missed a rebalance, and its commit would be fenced.
+            self._stale(job.source, f"attempt {prefix.attempt} emitted for {job.request.request_id}")
+            job.abort_cause = "revoked"
+            raise asyncio.CancelledError
+        # Tokens of a stalled predecessor that landed after this attempt's takeover read count too: the client has
+        # them, and nobody else bills them.
+        landed = prefix.tokens
         if landed != job.undelivered_from:
             log.warning("undelivered token delta found on the log", extra={
                 "request_id": job.request.request_id, "acknowledged_tokens": job.undelivered_from,

@@ -6,8 +6,8 @@ before their transaction commits). :func:`consume` owns polling, decoding, backp
 when the caller has no capacity), deferral (a handler that cannot proceed now), undecodable records and
 shutdown; callers supply an ``async def handle(event, record)``. It never commits: the callers that track
 offsets commit them themselves (the worker inside its Kafka transactions). Two aiokafka behaviours while no
-broker answers are mended here, for every client: failed metadata updates back off (``_metadata_backoff``) and
-consumers stop whole (:func:`stop_consumer`).
+broker answers are mended here, for every client built here (faust's processors build their own): failed metadata
+updates back off (``_metadata_backoff``) and consumers stop whole (:func:`stop_consumer`).
 """
 
 from __future__ import annotations
@@ -141,18 +141,24 @@ async def stop_consumer(consumer: AIOKafkaConsumer) -> None:
     """``consumer.stop()``, done whole. aiokafka (0.14) cancels the consumer's fetches and awaits them, and a fetch
     waiting out its retry back-off (its broker away) raises that CancelledError out of ``stop()`` before the client
     is closed: a worker stopping on a fatal error exited with an unexplained CancelledError, and the consumer's
-    connections and metadata task lived on (spinning while the broker was away)."""
+    connections and metadata task lived on (spinning while the broker was away). Whatever ``stop()`` raises, what
+    it left open is closed; only this task's own cancellation, or another error, is raised again."""
     try:
         await consumer.stop()
-    except asyncio.CancelledError:
+    except BaseException as exc:
+        await _close_what_stop_left(consumer)
         task = asyncio.current_task()
-        if task is not None and task.cancelling():
-            raise  # this stop itself was cancelled
-        fetches = list(consumer._fetcher._pending_tasks) if consumer._fetcher is not None else []
-        for fetch in fetches:
-            fetch.cancel()
-        await asyncio.gather(*fetches, return_exceptions=True)
-        await consumer._client.close()
+        if not isinstance(exc, asyncio.CancelledError) or (task is not None and task.cancelling()):
+            raise
+
+
+async def _close_what_stop_left(consumer: AIOKafkaConsumer) -> None:
+    fetcher = consumer._fetcher
+    tasks = [fetcher._fetch_task, *fetcher._pending_tasks] if fetcher is not None else []
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await consumer._client.close()
 
 
 async def ensure_topics(kafka: KafkaSettings, specs: list[TopicSpec]) -> list[str]:

@@ -13,10 +13,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from inference_workers.offsets import Taken
 from inference_workers.presence import GatewayPresence
 from schemas.errors import DecodeError, RetryLater
+from schemas.events import ControlAction, ControlEvent, utcnow
 from schemas.headers import request_headers
 from tests.fakes.engine import FakeEngine
 from tests.fakes.kafka import FakeGroup, FakeSink, ReplyLog, Sent
-from tests.fakes.worker import TOPIC, FakeWorker, record, request
+from tests.fakes.worker import TOPIC, FakeWorker, pump, record, request
 
 P0 = TopicPartition(TOPIC, 0)
 
@@ -159,3 +160,44 @@ async def test_a_delta_appended_whose_ack_was_lost_is_billed_as_received() -> No
     assert stream.final.usage is not None and stream.final.usage.completion_tokens == stream.tokens
     assert usage.completion_tokens == stream.tokens >= 4, (
         f"billed {usage.completion_tokens}; the client received {stream.tokens}")
+
+
+class AckOnCueSink(FakeSink):
+    """Appends each delta at once (the broker has it) and acknowledges it when the test says."""
+
+    def __init__(self, log: ReplyLog) -> None:
+        super().__init__(log)
+        self.acks: dict[int, asyncio.Future[object]] = {}
+
+    async def emit(self, event, partition, traceparent):  # type: ignore[no-untyped-def]
+        self.log.records.append(Sent(event.event(), partition))
+        ack = self.acks[event.token_offset] = asyncio.get_running_loop().create_future()
+        return ack
+
+    def ack(self, *token_offsets: int) -> None:
+        for offset in token_offsets:
+            self.acks[offset].set_result(type("Meta", (), {"offset": offset})())
+
+
+async def test_a_client_that_hung_up_is_billed_what_it_received_though_a_delivery_then_failed() -> None:
+    """Review of the read-back: the client hangs up having received 2 tokens (its gateway's cancel says so), then a
+    delta's ack fails while the worker waits for its acks. The failure turned the outcome into an error, so the
+    received cap (applied to cancelled outcomes only) was skipped: billed 5, what the log holds, not 2."""
+    group = FakeGroup()
+    worker = FakeWorker("w1", group, FakeEngine(auto=False))
+    await worker.assign(0)
+    req = request(max_tokens=10)
+    sink = worker.intake._sink = AckOnCueSink(group.log)  # type: ignore[assignment]
+    await worker.handle(req, 0, 0)
+    worker.engine.step(req.request_id, 5)
+    await pump()
+    sink.ack(0, 1)
+    await pump()
+    worker.intake.on_control(ControlEvent(request_id=req.request_id, action=ControlAction.CANCEL, reason="gone",
+                                          issued_by="gw/1", issued_at=utcnow(), delivered_tokens=2))
+    await pump()
+    sink.ack(2, 4)
+    sink.acks[3].set_exception(KafkaTimeoutError("appended, its answer lost"))
+    await worker.settle()
+    (usage,) = group.usage
+    assert (usage.completion_tokens, usage.finish_reason) == (2, "cancelled")
