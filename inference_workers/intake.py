@@ -558,15 +558,14 @@ class Intake:
         # Billed for what its client received: a hang-up's tokens in flight are not, and tokens a stalled
         # predecessor sent after this takeover read the log are (nobody else bills them). A delivery failing after
         # the hang-up changes nothing for a client that is gone.
-        hung_up = job.received_cap is not None and outcome.finish_reason == "cancelled"
-        if job.undelivered_from is not None and not hung_up:
+        received = job.received_cap if outcome.finish_reason == "cancelled" else None
+        if job.undelivered_from is not None and received is None:
             # The client cannot have more than what reached its gateway: bill that, end the stream in error.
             outcome = Outcome("error", [], "", "a token delta could not be delivered to the client's gateway",
                               ErrorCode.TOKEN_DELIVERY_FAILED.value, outcome.cached_tokens)
         completion = job.tokens + len(outcome.final_ids)
-        if hung_up:
-            assert job.received_cap is not None
-            completion = job.received_cap
+        if received is not None:
+            completion = received
         elif job.undelivered_from is not None:
             completion = await self._landed(job)
         prompt = len(request.prompt_token_ids)
