@@ -462,12 +462,12 @@ class Intake:
             first_offset = await self._claims.first_offset(job.request.request_id)
         failing_since, delay = None, 0.2
         while True:
-            tried_at = time.monotonic()
             try:
                 return await self._prefix.read(job.request, first_offset)
             except (KafkaError, TimeoutError) as exc:
-                # Since the first read that failed, not the first try: reads wait their turn behind one another.
-                failing_since = failing_since or tried_at
+                # Counted from the first failure, not the first try: reads wait their turn behind one another's
+                # (one reader), and a read-back queued behind others' is not itself a failure.
+                failing_since = failing_since or time.monotonic()
                 if time.monotonic() - failing_since > self._give_up_s:
                     # Nothing is committed: the partition's next owner reads it again.
                     self.fail(FatalError(f"cannot read what {job.request.request_id} emitted: {exc!r}"))
@@ -564,10 +564,12 @@ class Intake:
             outcome = Outcome("error", [], "", "a token delta could not be delivered to the client's gateway",
                               ErrorCode.TOKEN_DELIVERY_FAILED.value, outcome.cached_tokens)
         completion = job.tokens + len(outcome.final_ids)
-        if received is not None:
+        if job.undelivered_from is not None:
+            # A gateway's count came from the log (never above it); an unattended cap counts what was emitted.
+            landed = await self._landed(job)
+            completion = landed if received is None else min(received, landed)
+        elif received is not None:
             completion = received
-        elif job.undelivered_from is not None:
-            completion = await self._landed(job)
         prompt = len(request.prompt_token_ids)
         billed = completion > 0 or (job.ran and job.abort_cause is None)
         cached = min(outcome.cached_tokens, prompt)

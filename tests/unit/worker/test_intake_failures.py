@@ -10,9 +10,10 @@ from aiokafka import TopicPartition
 from aiokafka.errors import KafkaTimeoutError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from inference_workers.intake import Job
 from inference_workers.offsets import Taken
 from inference_workers.presence import GatewayPresence
-from schemas.errors import DecodeError, RetryLater
+from schemas.errors import DecodeError, FatalError, RetryLater
 from schemas.events import ControlAction, ControlEvent, utcnow
 from schemas.headers import request_headers
 from tests.fakes.engine import FakeEngine
@@ -201,3 +202,64 @@ async def test_a_client_that_hung_up_is_billed_what_it_received_though_a_deliver
     await worker.settle()
     (usage,) = group.usage
     assert (usage.completion_tokens, usage.finish_reason) == (2, "cancelled")
+
+
+class LandOnAckSink(AckOnCueSink):
+    """A delta reaches the log only when acknowledged: a failed one is really missing."""
+
+    async def emit(self, event, partition, traceparent):  # type: ignore[no-untyped-def]
+        ack = self.acks[event.token_offset] = asyncio.get_running_loop().create_future()
+        ack.add_done_callback(lambda done: None if done.exception() else self.log.records.append(
+            Sent(event.event(), partition)))
+        return ack
+
+
+async def test_an_unattended_stream_whose_delivery_failed_is_billed_no_more_than_the_log_holds() -> None:
+    """Second review: an unattended cancel caps the bill at what was emitted while a gateway was last seen (5, in
+    flight then); a delta then failed and never landed, so a client resuming gets 2. Billed 5 for 2 tokens."""
+    group = FakeGroup()
+    worker = FakeWorker("w1", group, FakeEngine(auto=False))
+    await worker.assign(0)
+    req = request(max_tokens=10)
+    sink = worker.intake._sink = LandOnAckSink(group.log)  # type: ignore[assignment]
+    await worker.handle(req, 0, 0)
+    worker.engine.step(req.request_id, 5)
+    await pump()
+    worker.intake.attended(req.request_id)
+    assert worker.intake.cancel_unattended(req.request_id)
+    await pump()
+    sink.ack(0, 1)
+    sink.acks[2].set_exception(KafkaTimeoutError("not appended"))
+    sink.ack(3, 4)
+    await worker.settle()
+    _, stream = group.log.client_view(req.request_id)
+    (usage,) = group.usage
+    assert stream.tokens == 2 and usage.completion_tokens == 2, f"billed {usage.completion_tokens}"
+
+
+class OneAtATimeFailingReader:
+    """PrefixReader's shape while the broker is away: one read at a time, each failing after its timeout."""
+
+    def __init__(self, read_s: float) -> None:
+        self._lock = asyncio.Lock()
+        self._read_s = read_s
+        self.reads: list[str] = []
+
+    async def read(self, request, first_offset):  # type: ignore[no-untyped-def]
+        async with self._lock:
+            self.reads.append(request.request_id)
+            await asyncio.sleep(self._read_s)
+            raise KafkaTimeoutError("broker away")
+
+
+async def test_a_read_back_queued_behind_others_reads_again_before_the_worker_gives_up() -> None:
+    """Second review: the give-up clock ran from the first try, so a read-back that waited its turn behind two
+    others' failed reads gave up after its own first read: the worker stopped on a single failure of it."""
+    worker = FakeWorker("w1", FakeGroup())
+    reader = worker.intake._prefix = OneAtATimeFailingReader(0.15)  # type: ignore[assignment]
+    worker.intake._give_up_s = 0.2
+    jobs = [Job(request(), P0, i, 1, None, 0.0, utcnow()) for i in range(3)]
+    await asyncio.gather(*(worker.intake._read_prefix(job) for job in jobs), return_exceptions=True)
+    assert isinstance(worker.intake.fatal.exception(), FatalError)  # Kafka stayed away: the worker stops
+    reads = [reader.reads.count(job.request.request_id) for job in jobs]
+    assert min(reads) >= 2, f"reads per read-back: {reads}"
