@@ -53,15 +53,16 @@ def _metadata_backoff(client: AIOKafkaClient) -> None:
     per outage, the CPU the broker needed to come back). Kafka's own clients back off (reconnect.backoff.max.ms).
     The pause is inside the update, so everything waiting on it waits too."""
     update = client._metadata_update  # aiokafka has no setting for it
-    delay = [client._retry_backoff]
+    delay: float = client._retry_backoff
 
     async def update_or_back_off(cluster: object, topics: object) -> bool:
+        nonlocal delay
         updated: bool = await update(cluster, topics)
         if updated:
-            delay[0] = client._retry_backoff
+            delay = client._retry_backoff
         else:
-            await asyncio.sleep(delay[0])
-            delay[0] = min(delay[0] * 2, METADATA_BACKOFF_MAX_S)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, METADATA_BACKOFF_MAX_S)
         return updated
 
     client._metadata_update = update_or_back_off

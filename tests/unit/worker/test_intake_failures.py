@@ -14,7 +14,7 @@ from inference_workers.intake import Job
 from inference_workers.offsets import Taken
 from inference_workers.presence import GatewayPresence
 from schemas.errors import DecodeError, FatalError, RetryLater
-from schemas.events import ControlAction, ControlEvent, utcnow
+from schemas.events import ChatRequest, ControlAction, ControlEvent, utcnow
 from schemas.headers import request_headers
 from tests.fakes.engine import FakeEngine
 from tests.fakes.kafka import FakeGroup, FakeSink, ReplyLog, Sent
@@ -124,36 +124,54 @@ async def test_the_streams_of_a_gateway_that_is_gone_are_cancelled_and_billed_fo
     await worker.assign()
 
 
-class AckLostSink(FakeSink):
-    """The broker appends the delta at ``landed_unacked`` but its answer never comes back (it stopped, or the
-    connection dropped, after the append): the producer reports a failure for a record that is on the log."""
+class AckOnCueSink(FakeSink):
+    """Each delta is acknowledged, or fails, when the test says. It is on the log at once (the broker has it, and
+    a failure is an answer lost), or with ``lands_on_ack`` only once acknowledged (a failed one is really missing).
+    As TokenSink.emit, nothing is awaited: the event is queued and counted in one step (no cancel between)."""
 
-    def __init__(self, log: ReplyLog, landed_unacked: int) -> None:
+    def __init__(self, log: ReplyLog, *, lands_on_ack: bool = False) -> None:
         super().__init__(log)
-        self.landed_unacked = landed_unacked
+        self.lands_on_ack = lands_on_ack
+        self.acks: dict[int, asyncio.Future[object]] = {}
 
     async def emit(self, event, partition, traceparent):  # type: ignore[no-untyped-def]
-        # As TokenSink.emit: nothing awaited, so the event is queued and counted in one step (no cancel between).
-        self.log.records.append(Sent(event.event(), partition))
-        delivery: asyncio.Future[object] = asyncio.get_running_loop().create_future()
-        if event.token_offset == self.landed_unacked:
-            delivery.set_exception(KafkaTimeoutError("no answer within request_timeout_ms"))
+        sent = Sent(event.event(), partition)
+        ack = self.acks[event.token_offset] = asyncio.get_running_loop().create_future()
+        if self.lands_on_ack:
+            ack.add_done_callback(lambda done: None if done.exception() else self.log.records.append(sent))
         else:
-            delivery.set_result(type("Meta", (), {"offset": len(self.log.records) - 1})())
-        return delivery
+            self.log.records.append(sent)
+        return ack
+
+    def ack(self, *token_offsets: int) -> None:
+        for offset in token_offsets:
+            self.acks[offset].set_result(type("Meta", (), {"offset": offset})())
+
+    def fail(self, token_offset: int) -> None:
+        self.acks[token_offset].set_exception(KafkaTimeoutError("no answer within request_timeout_ms"))
+
+
+async def streaming(tokens: int, *, lands_on_ack: bool = False) -> tuple[FakeGroup, FakeWorker, ChatRequest,
+                                                                         AckOnCueSink]:
+    """A request whose engine has produced ``tokens`` tokens, every delta emitted and none acknowledged yet."""
+    group = FakeGroup()
+    worker = FakeWorker("w1", group, FakeEngine(auto=False))
+    await worker.assign(0)
+    req = request(max_tokens=10)
+    sink = worker.intake._sink = AckOnCueSink(group.log, lands_on_ack=lands_on_ack)  # type: ignore[assignment]
+    await worker.handle(req, 0, 0)
+    worker.engine.step(req.request_id, tokens)
+    await pump()
+    return group, worker, req, sink
 
 
 async def test_a_delta_appended_whose_ack_was_lost_is_billed_as_received() -> None:
     """restart-broker (CI, once): the broker went away with a token record appended and unacknowledged. The worker
     billed the acknowledged tokens (32); the client's relay read the record from the log and received 33. A
     failed delivery does not say the record is missing: what the client can have is what the log holds."""
-    group = FakeGroup()
-    worker = FakeWorker("w1", group, FakeEngine(auto=False))
-    await worker.assign(0)
-    req = request(max_tokens=10)
-    worker.intake._sink = AckLostSink(group.log, landed_unacked=3)  # type: ignore[assignment]
-    await worker.handle(req, 0, 0)
-    worker.engine.step(req.request_id, 10)
+    group, worker, req, sink = await streaming(10)
+    sink.fail(3)
+    sink.ack(*(offset for offset in sink.acks if offset != 3))
     await worker.settle()
     _, stream = group.log.client_view(req.request_id)
     (usage,) = group.usage
@@ -163,73 +181,32 @@ async def test_a_delta_appended_whose_ack_was_lost_is_billed_as_received() -> No
         f"billed {usage.completion_tokens}; the client received {stream.tokens}")
 
 
-class AckOnCueSink(FakeSink):
-    """Appends each delta at once (the broker has it) and acknowledges it when the test says."""
-
-    def __init__(self, log: ReplyLog) -> None:
-        super().__init__(log)
-        self.acks: dict[int, asyncio.Future[object]] = {}
-
-    async def emit(self, event, partition, traceparent):  # type: ignore[no-untyped-def]
-        self.log.records.append(Sent(event.event(), partition))
-        ack = self.acks[event.token_offset] = asyncio.get_running_loop().create_future()
-        return ack
-
-    def ack(self, *token_offsets: int) -> None:
-        for offset in token_offsets:
-            self.acks[offset].set_result(type("Meta", (), {"offset": offset})())
-
-
 async def test_a_client_that_hung_up_is_billed_what_it_received_though_a_delivery_then_failed() -> None:
     """Review of the read-back: the client hangs up having received 2 tokens (its gateway's cancel says so), then a
     delta's ack fails while the worker waits for its acks. The failure turned the outcome into an error, so the
     received cap (applied to cancelled outcomes only) was skipped: billed 5, what the log holds, not 2."""
-    group = FakeGroup()
-    worker = FakeWorker("w1", group, FakeEngine(auto=False))
-    await worker.assign(0)
-    req = request(max_tokens=10)
-    sink = worker.intake._sink = AckOnCueSink(group.log)  # type: ignore[assignment]
-    await worker.handle(req, 0, 0)
-    worker.engine.step(req.request_id, 5)
-    await pump()
+    group, worker, req, sink = await streaming(5)
     sink.ack(0, 1)
     await pump()
     worker.intake.on_control(ControlEvent(request_id=req.request_id, action=ControlAction.CANCEL, reason="gone",
                                           issued_by="gw/1", issued_at=utcnow(), delivered_tokens=2))
     await pump()
     sink.ack(2, 4)
-    sink.acks[3].set_exception(KafkaTimeoutError("appended, its answer lost"))
+    sink.fail(3)
     await worker.settle()
     (usage,) = group.usage
     assert (usage.completion_tokens, usage.finish_reason) == (2, "cancelled")
 
 
-class LandOnAckSink(AckOnCueSink):
-    """A delta reaches the log only when acknowledged: a failed one is really missing."""
-
-    async def emit(self, event, partition, traceparent):  # type: ignore[no-untyped-def]
-        ack = self.acks[event.token_offset] = asyncio.get_running_loop().create_future()
-        ack.add_done_callback(lambda done: None if done.exception() else self.log.records.append(
-            Sent(event.event(), partition)))
-        return ack
-
-
 async def test_an_unattended_stream_whose_delivery_failed_is_billed_no_more_than_the_log_holds() -> None:
     """Second review: an unattended cancel caps the bill at what was emitted while a gateway was last seen (5, in
     flight then); a delta then failed and never landed, so a client resuming gets 2. Billed 5 for 2 tokens."""
-    group = FakeGroup()
-    worker = FakeWorker("w1", group, FakeEngine(auto=False))
-    await worker.assign(0)
-    req = request(max_tokens=10)
-    sink = worker.intake._sink = LandOnAckSink(group.log)  # type: ignore[assignment]
-    await worker.handle(req, 0, 0)
-    worker.engine.step(req.request_id, 5)
-    await pump()
+    group, worker, req, sink = await streaming(5, lands_on_ack=True)
     worker.intake.attended(req.request_id)
     assert worker.intake.cancel_unattended(req.request_id)
     await pump()
     sink.ack(0, 1)
-    sink.acks[2].set_exception(KafkaTimeoutError("not appended"))
+    sink.fail(2)
     sink.ack(3, 4)
     await worker.settle()
     _, stream = group.log.client_view(req.request_id)
