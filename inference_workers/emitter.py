@@ -280,20 +280,27 @@ class Finalizer:
                      ) -> dict[TopicPartition, OffsetAndMetadata]:
         """One transaction: the finals, their usage, the partition's offset and state. Returns what it committed."""
         async with producer.transaction():
+            deliveries: list[Delivery] = []
             for item in items:
                 headers = to_headers(item.traceparent) if item.traceparent else None
                 key = item.final.request_id.encode()
-                await producer.send(self._token_topic, value=self._tokens.encode(item.final, version=self._version),
-                                    key=key, partition=item.reply_partition, headers=headers)
+                deliveries.append(await producer.send(
+                    self._token_topic, value=self._tokens.encode(item.final, version=self._version), key=key,
+                    partition=item.reply_partition, headers=headers))
                 if item.usage is not None:
-                    await producer.send(self._usage_topic, value=self._usage.encode(item.usage), key=key,
-                                        headers=headers)
+                    deliveries.append(await producer.send(self._usage_topic, value=self._usage.encode(item.usage),
+                                                          key=key, headers=headers))
                 if item.stored is not None and self._stored_topic is not None:
-                    await producer.send(self._stored_topic, value=self._stored.encode(item.stored), key=key,
-                                        headers=headers)
+                    deliveries.append(await producer.send(self._stored_topic, value=self._stored.encode(item.stored),
+                                                          key=key, headers=headers))
                 self._offsets.done(item.source, item.offset)
             offsets = self._offsets.committable([tp])
             if offsets:
+                # The broker checks a transaction's first record on each partition with the coordinator, and the
+                # coordinator refuses that check while it adds the offsets' group to the same transaction: Kafka 4
+                # tells pre-KIP-890 producers (aiokafka) NOT_ENOUGH_REPLICAS and the records wait out a 100 ms
+                # retry. Records acknowledged first, then the offsets (DEVELOPERS.md, "Kafka / aiokafka").
+                await asyncio.gather(*deliveries)
                 await producer.send_offsets_to_transaction(offsets, self._group_id)
             if items and self._faults.enabled:
                 await producer.flush()  # the finals are on the broker, uncommitted: what a crash here leaves

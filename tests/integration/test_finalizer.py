@@ -5,6 +5,7 @@ isolated; an unfinished transaction of a dead worker is invisible to read_commit
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 
 import pytest
@@ -181,3 +182,30 @@ async def test_a_dead_workers_open_transaction_is_never_read(stack: Settings) ->
                                                         isolation="read_uncommitted") if e.request_id == rid]
     assert len(uncommitted) == 1  # it was written, just never committed
     await asyncio.gather(zombie.stop(), return_exceptions=True)
+
+
+async def test_no_final_waits_out_a_produce_retry_behind_its_own_offsets(stack: Settings, redis: Redis,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """Found by a probe at c=1: 7 of 90 streams ended 100 ms late. The broker checks a transaction's first record
+    on each partition with the transaction coordinator; the offsets joining the same transaction at that moment
+    make the coordinator answer CONCURRENT_TRANSACTIONS, which Kafka 4 hands to pre-KIP-890 producers (aiokafka) as
+    NOT_ENOUGH_REPLICAS, and aiokafka retries the records after ``retry_backoff_ms``. One request at a time, as a
+    worker at concurrency 1 finalizes them: no record of any transaction is refused."""
+    kafka: KafkaSettings = stack.kafka
+    group = f"race-test-{uuid.uuid4().hex[:6]}"
+    source = TopicPartition(kafka.topic(TOPICS.requests_admitted.name), 5)
+    owner = Owner(kafka, stack, redis, group, source, 0)
+    await owner.start()
+    caplog.set_level(logging.WARNING, logger="aiokafka.producer.sender")
+    try:
+        for offset in range(80):
+            owner.offsets.taken(source, offset)
+            await asyncio.wait_for(owner.finalizer.finish(finished(f"race-{uuid.uuid4().hex}", source, offset,
+                                                                   offset % 4)), 20)
+    finally:
+        await owner.stop()
+    # (A topic this test session just created may answer NotLeaderForPartition first: not what this is about.)
+    refused = [r.getMessage() for r in caplog.records
+               if r.name == "aiokafka.producer.sender" and "NotEnoughReplicas" in r.getMessage()]
+    assert not refused, f"{len(refused)} records refused by the transaction check and retried, e.g. {refused[0]}"
+    assert await committed_state(kafka, group, source) == CommittedState(80, 80, frozenset())

@@ -56,8 +56,11 @@ class RawTxnProducer:
         yield
 
     async def send(self, topic: str, value: bytes, key: bytes, partition: int | None = None,
-                   headers: object = None) -> None:
+                   headers: object = None) -> asyncio.Future[None]:
         self.sent.append((topic, value))
+        acked: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        acked.set_result(None)
+        return acked
 
     async def send_offsets_to_transaction(self, offsets: object, group_id: str) -> None:
         return None

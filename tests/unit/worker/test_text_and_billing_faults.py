@@ -150,12 +150,19 @@ class FakeTxnProducer:
         self.log.extend(pending)
 
     async def send(self, topic: str, value: bytes, key: bytes, partition: int | None = None,
-                   headers: object = None) -> None:
+                   headers: object = None) -> asyncio.Future[None]:
         if topic == "tokens" and self.refuse_final_once:
             self.refuse_final_once = False
             raise MessageSizeTooLargeError("the final event is refused")
         codec = codec_for(TokenEvent) if topic == "tokens" else codec_for(UsageEvent)
         self._pending.append((topic, codec.decode(value)))
+        return self.delivery()
+
+    def delivery(self) -> asyncio.Future[None]:
+        """The record's ack, as aiokafka's ``send`` returns it: at once here."""
+        acked: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        acked.set_result(None)
+        return acked
 
     async def send_offsets_to_transaction(self, offsets: object, group_id: str) -> None:
         return None
@@ -289,12 +296,12 @@ class FencedBetweenSends(FakeTxnProducer):
         self._txn_manager = Txn()  # type: ignore[assignment]
 
     async def send(self, topic: str, value: bytes, key: bytes, partition: int | None = None,
-                   headers: object = None) -> None:
+                   headers: object = None) -> asyncio.Future[None]:
         self.sends += 1
         if self.sends == 2:
             self._waiter.set_exception(ProducerFenced())
             raise IllegalOperation("Can't send messages while not in transaction")
-        await super().send(topic, value, key, partition, headers)
+        return await super().send(topic, value, key, partition, headers)
 
 
 async def test_a_fencing_seen_as_illegal_operation_loses_the_partition_and_keeps_the_loop() -> None:
