@@ -178,7 +178,8 @@ async def our_side(settings: Settings, gateway_port: int, worker_port: int, name
     args = engine_args(settings.model, settings.engine)
     return Side("ours", f"http://127.0.0.1:{gateway_port}/v1", secret, procs,
                 f"kns gateway + Kafka + worker (1 gateway process, 1 worker process + 1 engine-core process), "
-                f"namespace {namespace}, safety pre-filter off; our processes (and the stack's Kafka, Cassandra, "
-                f"Redis) at nice {settings.cpu.yield_nice}, threads and sessions, the engine's at 0; engine {args}"
+                f"namespace {namespace}, safety pre-filter off; our processes (and the stack's Cassandra and Redis) "
+                f"at nice {settings.cpu.yield_nice}, threads and sessions, the stack's Kafka at "
+                f"{settings.cpu.kafka_nice}, the engine's at 0; engine {args}"
                 + "".join(f"; {name}={value}" for name, value in engine_env(settings.engine).items()),
                 metrics_urls=[f"http://127.0.0.1:{gateway_port}/metrics", f"http://127.0.0.1:{worker_port}/metrics"])

@@ -467,6 +467,10 @@ class CpuSettings(BaseModel):
     #: once its engine runs, the local stack's Kafka, Cassandra and Redis); the engine's processes stay at 0, so
     #: a step of the engine never waits for a core behind the relaying of the last one. 0: everything at 0.
     yield_nice: int = Field(default=10, ge=0, le=19)
+    #: the local stack's Kafka broker's: every request and every token crosses it twice, and its work is short, so
+    #: it waits for no one (at ``yield_nice`` each hop took 0.4-0.9 ms longer at c=1, waiting for a core behind the
+    #: worker's and the gateway's Python; DEVELOPERS.md "Benchmarks on 2 cores")
+    kafka_nice: int = Field(default=0, ge=0, le=19)
     #: the event loop of the worker (``runtime/event_loop.py``; the gateway's is uvicorn's, uvloop when installed)
     event_loop: EventLoop = "uvloop"
 

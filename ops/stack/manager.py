@@ -95,9 +95,9 @@ class StackManager:
         if pid_file.live_pid() is not None:
             return False
         service.prepare()
-        command, nice = service.command(), self.settings.cpu.yield_nice
-        # The broker and the stores yield to an engine on this host, as our services do themselves: each thread
-        # (``nice`` adds to this process's level) and the session the spawn gives them.
+        command, nice = service.command(), service.nice()
+        # The stores (and the broker, at its own level) yield to an engine on this host, as our services do
+        # themselves: each thread (``nice`` adds to this process's level) and the session the spawn gives them.
         by = nice - os.getpriority(os.PRIO_PROCESS, 0)
         if service.infra and by > 0:
             command = ["nice", "-n", str(by), *command]

@@ -91,6 +91,10 @@ class Service(ABC):
     def env(self) -> dict[str, str]:
         return dict(os.environ)
 
+    def nice(self) -> int:
+        """The nice level it runs at beside an engine (an app service sets its own, ``runtime/cpu_priority.py``)."""
+        return self.settings.cpu.yield_nice
+
     @abstractmethod
     async def healthy(self) -> bool: ...
 
@@ -107,6 +111,9 @@ class KafkaService(Service):
 
     def ports(self) -> list[int]:
         return [self.port, self.stack.kafka_controller_port]
+
+    def nice(self) -> int:
+        return self.settings.cpu.kafka_nice
 
     @property
     def conf_dir(self) -> Path:

@@ -26,7 +26,7 @@ import pytest
 
 import runtime.cpu_priority as cpu_priority
 from ops.stack.manager import StackManager
-from ops.stack.services import RedisService, WorkerService
+from ops.stack.services import CassandraService, KafkaService, RedisService, WorkerService
 from runtime.settings import REPO_ROOT, CpuSettings, Settings, StackSettings
 
 
@@ -88,8 +88,9 @@ PROBE = textwrap.dedent("""
 """)
 
 
-def _probe_autogroup(tmp_path: Path, service_class: type, yield_nice: int = 7) -> int:
+def _probe_autogroup(tmp_path: Path, service_class: type, yield_nice: int = 7, kafka_nice: int = 0) -> int:
     """The autogroup nice level a service the stack manager starts runs at (its command swapped for a probe)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "autogroup.txt"
 
     class Probe(service_class):  # type: ignore[misc, valid-type]
@@ -99,7 +100,8 @@ def _probe_autogroup(tmp_path: Path, service_class: type, yield_nice: int = 7) -
         def command(self) -> list[str]:
             return [sys.executable, "-c", PROBE, str(out)]
 
-    settings = Settings(stack=StackSettings(root=tmp_path), cpu=CpuSettings(yield_nice=yield_nice))  # type: ignore[arg-type]
+    settings = Settings(stack=StackSettings(root=tmp_path),  # type: ignore[arg-type]
+                        cpu=CpuSettings(yield_nice=yield_nice, kafka_nice=kafka_nice))
     manager = StackManager(settings)
     assert manager._start(Probe(settings))
     deadline = time.monotonic() + 15
@@ -197,3 +199,11 @@ def test_guard_the_worker_yields_only_after_its_engine_started(monkeypatch: pyte
     with pytest.raises(Stop):
         asyncio.run(worker_main.serve(Settings()))
     assert calls == ["engine", ("yield", 10, False)]
+
+
+@needs_autogroups
+def test_the_stacks_broker_runs_at_its_own_level(tmp_path: Path) -> None:
+    """``cpu.kafka_nice``: every request and token crosses the broker twice; it waits behind neither our Python
+    nor the stores (Redis, Cassandra) keep ``yield_nice``."""
+    assert _probe_autogroup(tmp_path / "kafka", KafkaService, yield_nice=7, kafka_nice=3) == 3
+    assert _probe_autogroup(tmp_path / "cassandra", CassandraService, yield_nice=7, kafka_nice=3) == 7
