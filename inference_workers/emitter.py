@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaProducer, TopicPartition
@@ -279,33 +279,42 @@ class Finalizer:
     async def _write(self, producer: AIOKafkaProducer, items: list[Finished], tp: TopicPartition
                      ) -> dict[TopicPartition, OffsetAndMetadata]:
         """One transaction: the finals, their usage, the partition's offset and state. Returns what it committed."""
-        async with producer.transaction():
-            deliveries: list[Delivery] = []
+        try:
+            async with producer.transaction():
+                # Every record acknowledged before anything else joins the transaction. A record the broker refuses
+                # fails its own delivery only (aiokafka would commit the rest without it). And the broker checks a
+                # transaction's first record on each partition with the coordinator, which refuses the check while
+                # it adds the offsets' group: Kafka 4 tells pre-KIP-890 producers (aiokafka) NOT_ENOUGH_REPLICAS
+                # and the records wait out a 100 ms retry (DEVELOPERS.md, "Kafka / aiokafka").
+                await asyncio.gather(*[await send for send in self._sends(producer, items)])
+                for item in items:
+                    self._offsets.done(item.source, item.offset)
+                offsets = self._offsets.committable([tp])
+                if offsets:
+                    await producer.send_offsets_to_transaction(offsets, self._group_id)
+                if items and self._faults.enabled:
+                    await producer.flush()  # the finals are on the broker, uncommitted: what a crash here leaves
+                    self._faults.hit("finalize.before_commit")
+        except BaseException:
+            # Not finished until their own transaction commits: a sibling's commit must not say they are.
             for item in items:
-                headers = to_headers(item.traceparent) if item.traceparent else None
-                key = item.final.request_id.encode()
-                deliveries.append(await producer.send(
-                    self._token_topic, value=self._tokens.encode(item.final, version=self._version), key=key,
-                    partition=item.reply_partition, headers=headers))
-                if item.usage is not None:
-                    deliveries.append(await producer.send(self._usage_topic, value=self._usage.encode(item.usage),
-                                                          key=key, headers=headers))
-                if item.stored is not None and self._stored_topic is not None:
-                    deliveries.append(await producer.send(self._stored_topic, value=self._stored.encode(item.stored),
-                                                          key=key, headers=headers))
-                self._offsets.done(item.source, item.offset)
-            offsets = self._offsets.committable([tp])
-            if offsets:
-                # The broker checks a transaction's first record on each partition with the coordinator, and the
-                # coordinator refuses that check while it adds the offsets' group to the same transaction: Kafka 4
-                # tells pre-KIP-890 producers (aiokafka) NOT_ENOUGH_REPLICAS and the records wait out a 100 ms
-                # retry. Records acknowledged first, then the offsets (DEVELOPERS.md, "Kafka / aiokafka").
-                await asyncio.gather(*deliveries)
-                await producer.send_offsets_to_transaction(offsets, self._group_id)
-            if items and self._faults.enabled:
-                await producer.flush()  # the finals are on the broker, uncommitted: what a crash here leaves
-                self._faults.hit("finalize.before_commit")
+                self._offsets.taken(item.source, item.offset)
+            raise
         return offsets
+
+    def _sends(self, producer: AIOKafkaProducer, items: list[Finished]) -> Iterator[Awaitable[Delivery]]:
+        """What one transaction sends for ``items``: each final, its usage and its stored completion."""
+        for item in items:
+            headers = to_headers(item.traceparent) if item.traceparent else None
+            key = item.final.request_id.encode()
+            yield producer.send(self._token_topic, value=self._tokens.encode(item.final, version=self._version),
+                                key=key, partition=item.reply_partition, headers=headers)
+            if item.usage is not None:
+                yield producer.send(self._usage_topic, value=self._usage.encode(item.usage), key=key,
+                                    headers=headers)
+            if item.stored is not None and self._stored_topic is not None:
+                yield producer.send(self._stored_topic, value=self._stored.encode(item.stored), key=key,
+                                    headers=headers)
 
     async def _committed(self, items: list[Finished]) -> None:
         if items:

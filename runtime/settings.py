@@ -464,7 +464,7 @@ class CpuSettings(BaseModel):
     """How the platform's processes share a host's cores with an inference engine (``runtime/cpu_priority.py``)."""
 
     #: the nice level of our processes beside the engine (the gateway, the processors, a worker's own threads
-    #: once its engine runs, the local stack's Kafka, Cassandra and Redis); the engine's processes stay at 0, so
+    #: once its engine runs, the local stack's Cassandra and Redis); the engine's processes stay at 0, so
     #: a step of the engine never waits for a core behind the relaying of the last one. 0: everything at 0.
     yield_nice: int = Field(default=10, ge=0, le=19)
     #: the local stack's Kafka broker's: every request and every token crosses it twice, and its work is short, so

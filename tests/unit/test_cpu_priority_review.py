@@ -81,15 +81,22 @@ def test_a_yielding_process_alone_in_its_session_yields_its_autogroup() -> None:
 
 
 PROBE = textwrap.dedent("""
-    import sys, time
+    import os, sys, time
     time.sleep(0.5)  # a fix that sets the autogroup right after the spawn has done it by now
+    autogroup = open("/proc/self/autogroup").read() if os.path.exists("/proc/self/autogroup") else "none -1"
     with open(sys.argv[1], "w") as out:
-        out.write(open("/proc/self/autogroup").read())
+        out.write(f"{os.getpriority(os.PRIO_PROCESS, 0)} {autogroup}")
 """)
 
 
 def _probe_autogroup(tmp_path: Path, service_class: type, yield_nice: int = 7, kafka_nice: int = 0) -> int:
     """The autogroup nice level a service the stack manager starts runs at (its command swapped for a probe)."""
+    return _probe_levels(tmp_path, service_class, yield_nice, kafka_nice)[1]
+
+
+def _probe_levels(tmp_path: Path, service_class: type, yield_nice: int = 7, kafka_nice: int = 0
+                  ) -> tuple[int, int]:
+    """The nice levels of a service the stack manager starts: its thread's, its autogroup's (-1: none here)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "autogroup.txt"
 
@@ -107,7 +114,8 @@ def _probe_autogroup(tmp_path: Path, service_class: type, yield_nice: int = 7, k
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         if out.exists() and out.read_text():
-            return _autogroup_nice(out.read_text())
+            thread, autogroup = out.read_text().split(maxsplit=1)
+            return int(thread), _autogroup_nice(autogroup)
         time.sleep(0.05)
     raise AssertionError(f"the probe wrote nothing; its log:\n{Probe(settings).log_file.read_text()}")
 
@@ -201,9 +209,15 @@ def test_guard_the_worker_yields_only_after_its_engine_started(monkeypatch: pyte
     assert calls == ["engine", ("yield", 10, False)]
 
 
-@needs_autogroups
 def test_the_stacks_broker_runs_at_its_own_level(tmp_path: Path) -> None:
-    """``cpu.kafka_nice``: every request and token crosses the broker twice; it waits behind neither our Python
-    nor the stores (Redis, Cassandra) keep ``yield_nice``."""
-    assert _probe_autogroup(tmp_path / "kafka", KafkaService, yield_nice=7, kafka_nice=3) == 3
-    assert _probe_autogroup(tmp_path / "cassandra", CassandraService, yield_nice=7, kafka_nice=3) == 7
+    """``cpu.kafka_nice``: every request and token crosses the broker twice, so it waits behind none of our
+    Python; the stores (Redis, Cassandra) keep ``yield_nice``. Threads and autogroup (where there is one) alike;
+    levels are only ever raised, so a thread stays at this test's own level when that is higher."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    autogroups = _autogroups_in_effect()
+    for name, service, kafka_nice, level in (("kafka", KafkaService, 3, 3), ("cassandra", CassandraService, 3, 7),
+                                             ("kafka-at-0", KafkaService, 0, 0)):
+        thread, autogroup = _probe_levels(tmp_path / name, service, yield_nice=7, kafka_nice=kafka_nice)
+        assert thread == max(base, level), (name, thread)
+        if autogroups:
+            assert autogroup == level, (name, autogroup)

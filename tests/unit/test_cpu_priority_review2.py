@@ -123,7 +123,8 @@ PROBES = textwrap.dedent("""
 
 @needs_autogroups
 def test_the_stacks_infra_all_yield_without_cap_sys_admin(tmp_path: Path) -> None:
-    """A developer's ``kns stack up`` (not root): every infra service's autogroup at ``yield_nice``."""
+    """A developer's ``kns stack up`` (not root): each infra service's autogroup raised in turn (three probes of
+    the mechanism, all at ``yield_nice``; the broker's own level: ``test_cpu_priority_review.py``)."""
     prefix: list[str] = []
     if os.geteuid() == 0:  # root has CAP_SYS_ADMIN, which the rate limit spares: drop it as a user would lack it
         if shutil.which("setpriv") is None:

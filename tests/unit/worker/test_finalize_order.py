@@ -1,20 +1,30 @@
-"""The order of a finalizing transaction's requests to the broker. Kafka checks a transaction's first record on
-each partition with the transaction coordinator; an AddOffsetsToTxn in flight at that moment makes the check fail
-(CONCURRENT_TRANSACTIONS, handed to aiokafka as NOT_ENOUGH_REPLICAS) and the records wait out a 100 ms retry. On the
-real broker: ``tests/integration/test_finalizer.py::test_no_final_waits_out_a_produce_retry_behind_its_own_offsets``."""
+"""The order of a finalizing transaction's requests to the broker, and what a refused record leaves.
+
+Kafka checks a transaction's first record on each partition with the transaction coordinator; an AddOffsetsToTxn in
+flight at that moment makes the check fail (CONCURRENT_TRANSACTIONS, handed to aiokafka as NOT_ENOUGH_REPLICAS) and
+the records wait out a 100 ms retry (on the real broker:
+``tests/integration/test_finalizer.py::test_no_final_waits_out_a_produce_retry_behind_its_own_offsets``). And a
+record the broker refuses fails only its own delivery: aiokafka would commit the transaction without it. The last
+two tests are from the adversarial review of the change that awaits the deliveries; each failed on it."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
-from inference_workers.emitter import Finalizer
-from inference_workers.offsets import CommittedState, OffsetTracker
+from aiokafka.errors import MessageSizeTooLargeError
+
+from inference_workers.emitter import Finalizer, Finished
+from inference_workers.offsets import CommittedState, OffsetTracker, decode_state
+from schemas.codec import codec_for
+from schemas.events import ErrorCode, TokenEvent, UsageEvent
 from tests.fakes.kafka import FakeClaims
 from tests.unit.worker.test_text_and_billing_faults import P0, FakeTxnProducer, OneProducer, _finished
 
 
-class AcksOnTheNextTurn(FakeTxnProducer):
-    """Each record's ack comes a loop turn after its send, as the broker's does; notes which records were still
+class AcksLater(FakeTxnProducer):
+    """Each record's ack comes 10 ms after its send, as the broker's does; notes which records were still
     unacknowledged when the offsets joined the transaction."""
 
     def __init__(self) -> None:
@@ -25,7 +35,7 @@ class AcksOnTheNextTurn(FakeTxnProducer):
 
     def delivery(self) -> asyncio.Future[None]:
         ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        asyncio.get_running_loop().call_soon(ack.set_result, None)
+        asyncio.get_running_loop().call_later(0.01, ack.set_result, None)
         self.deliveries.append(ack)
         return ack
 
@@ -37,7 +47,7 @@ async def test_a_transactions_records_are_acknowledged_before_its_offsets_join_i
     offsets = OffsetTracker()
     offsets.restore(P0, CommittedState(0, 0, frozenset()))
     offsets.taken(P0, 0)
-    producer = AcksOnTheNextTurn()
+    producer = AcksLater()
     finalizer = Finalizer(OneProducer(producer), token_topic="tokens",  # type: ignore[arg-type]
                           usage_topic="usage", group_id="g", offsets=offsets, claims=FakeClaims(), batch_max=8,
                           give_up_s=5)
@@ -48,3 +58,90 @@ async def test_a_transactions_records_are_acknowledged_before_its_offsets_join_i
     assert [topic for topic, _ in producer.log] == ["tokens", "usage"]
     assert producer.unacked_at_offsets == [0], (
         f"{producer.unacked_at_offsets[0]} record(s) still in flight when the offsets joined the transaction")
+
+
+class BrokerRefuses:
+    """As aiokafka's producer: ``send`` returns the record's delivery; a record the broker refuses (a topic's
+    ``max.message.bytes`` below the producer's limit) fails its delivery only, and the transaction commits what
+    landed unless the block ends in an exception (then it aborts)."""
+
+    def __init__(self, refused_request: str) -> None:
+        self.refused_request = refused_request
+        self.log: list[tuple[str, TokenEvent | UsageEvent]] = []
+        self.offsets_sent: list[dict[object, object]] = []
+
+        class Txn:
+            @staticmethod
+            def is_fatal_error() -> bool:
+                return False
+
+        self._txn_manager = Txn()
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[None]:
+        self._pending: list[tuple[str, TokenEvent | UsageEvent]] = []
+        self._offsets: list[dict[object, object]] = []
+        yield
+        await asyncio.sleep(0)
+        self.log.extend(self._pending)
+        self.offsets_sent.extend(self._offsets)
+
+    async def send(self, topic: str, value: bytes, key: bytes, partition: int | None = None,
+                   headers: object = None) -> asyncio.Future[None]:
+        loop = asyncio.get_running_loop()
+        delivery: asyncio.Future[None] = loop.create_future()
+        event = (codec_for(TokenEvent) if topic == "tokens" else codec_for(UsageEvent)).decode(value)
+        if topic == "tokens" and event.request_id == self.refused_request and event.token_ids:
+            loop.call_soon(delivery.set_exception, MessageSizeTooLargeError("the record is too large for the topic"))
+        else:
+            self._pending.append((topic, event))
+            loop.call_soon(delivery.set_result, None)
+        return delivery
+
+    async def send_offsets_to_transaction(self, offsets: dict[object, object], group_id: str) -> None:
+        self._offsets.append(offsets)
+
+    async def flush(self) -> None:
+        await asyncio.sleep(0)
+
+
+async def _one_refused(refused_second: bool) -> tuple[BrokerRefuses, Finished, Finished]:
+    """Two requests finalized in one batch, one of whose finals the broker refuses."""
+    offsets = OffsetTracker()
+    offsets.restore(P0, CommittedState(0, 0, frozenset()))
+    offsets.taken(P0, 0)
+    offsets.taken(P0, 1)
+    first, second = _finished(3, billed=True), _finished(4, billed=True)
+    first.offset, second.offset = 0, 1
+    producer = BrokerRefuses((second if refused_second else first).final.request_id)
+    finalizer = Finalizer(OneProducer(producer), token_topic="tokens",  # type: ignore[arg-type]
+                          usage_topic="usage", group_id="g", offsets=offsets, claims=FakeClaims(), batch_max=8,
+                          give_up_s=5)
+    waits = [asyncio.ensure_future(finalizer.finish(first)), asyncio.ensure_future(finalizer.finish(second))]
+    await asyncio.sleep(0)
+    loop = asyncio.create_task(finalizer.run())
+    await asyncio.gather(*waits)
+    await finalizer.stop()
+    await loop
+    return producer, first, second
+
+
+async def test_a_refused_final_second_in_its_batch_is_recorded_without_its_text() -> None:
+    """The deliveries were awaited only when the offsets moved: retried alone after the batch failed, the second
+    request's transaction had no offsets to commit (the first one's commit had taken them), committed its usage
+    without its final, and the client's stream never ended."""
+    producer, _, refused = await _one_refused(refused_second=True)
+    finals = [e for t, e in producer.log if t == "tokens" and e.request_id == refused.final.request_id]
+    assert len(finals) == 1, f"{len(finals)} finals committed for the refused request"
+    assert isinstance(finals[0], TokenEvent) and finals[0].error_code == ErrorCode.GENERATION_FAILED.value
+
+
+async def test_a_request_retried_alone_does_not_commit_its_sibling_as_finished() -> None:
+    """Both requests were marked done before their deliveries failed: the first one's own commit then said the
+    second's offset was finished while the second's final was not written yet; a crash between the two would
+    skip it for good."""
+    producer, _, _ = await _one_refused(refused_second=False)
+    states = [decode_state(o[P0].offset, o[P0].metadata) for o in producer.offsets_sent]  # type: ignore[attr-defined]
+    assert states and (1 in states[0].open or states[0].next <= 1), (
+        f"the first commit says offset 1 is finished: {states[0]}")
+    assert states[-1] == CommittedState(2, 2, frozenset())
