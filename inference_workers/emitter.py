@@ -214,6 +214,10 @@ class Finalizer:
             if producer is None:
                 return _fail(items, PartitionLost(f"partition {tp.partition} is no longer this worker's"))
             try:
+                if _fenced(producer):
+                    # Fenced by an earlier commit; the partition-lost handler has not released it yet, and aiokafka
+                    # refuses a new transaction on it with an AssertionError.
+                    raise ProducerFenced()
                 await self._commit(producer, tp, items)
             except ProducerFenced:
                 log.warning("fenced: partition moved to another worker", extra={"partition": tp.partition})
@@ -371,6 +375,11 @@ def _recorded_failure(producer: AIOKafkaProducer) -> BaseException | None:
     if waiter.done() and not waiter.cancelled():
         return waiter.exception()
     return None
+
+
+def _fenced(producer: AIOKafkaProducer) -> bool:
+    """The producer was fenced (a newer owner took its transactional id over): it can begin no transaction."""
+    return producer._txn_manager.is_fatal_error() and isinstance(_recorded_failure(producer), ProducerFenced)
 
 
 def _fail(items: list[Finished], exc: Exception) -> None:

@@ -5,7 +5,7 @@ flight at that moment makes the check fail (CONCURRENT_TRANSACTIONS, handed to a
 the records wait out a 100 ms retry (on the real broker:
 ``tests/integration/test_finalizer.py::test_no_final_waits_out_a_produce_retry_behind_its_own_offsets``). And a
 record the broker refuses fails only its own delivery: aiokafka would commit the transaction without it. The last
-two tests are from the adversarial review of the change that awaits the deliveries; each failed on it."""
+three tests are from the adversarial review of the change that awaits the deliveries; each failed on it."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-from aiokafka.errors import MessageSizeTooLargeError
+from aiokafka import TopicPartition
+from aiokafka.errors import MessageSizeTooLargeError, ProducerFenced
+from aiokafka.producer.transaction_manager import TransactionManager
 
-from inference_workers.emitter import Finalizer, Finished
+from inference_workers.emitter import Finalizer, Finished, PartitionLost
 from inference_workers.offsets import CommittedState, OffsetTracker, decode_state
 from schemas.codec import codec_for
 from schemas.events import ErrorCode, TokenEvent, UsageEvent
@@ -145,3 +147,59 @@ async def test_a_request_retried_alone_does_not_commit_its_sibling_as_finished()
     assert states and (1 in states[0].open or states[0].next <= 1), (
         f"the first commit says offset 1 is finished: {states[0]}")
     assert states[-1] == CommittedState(2, 2, frozenset())
+
+
+class FencedAtCommit:
+    """aiokafka's own TransactionManager behind a producer whose first commit is fenced (EndTxn answered
+    INVALID_PRODUCER_EPOCH): the manager is left in its fatal state, as the real sender leaves it."""
+
+    def __init__(self) -> None:
+        self._txn_manager = TransactionManager("t", 60000)
+        self._txn_manager.set_pid_and_epoch(1, 0)
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[None]:
+        self._txn_manager.begin_transaction()  # as AIOKafkaProducer.begin_transaction: asserts a legal state
+        yield
+        self._txn_manager.fatal_error(ProducerFenced())
+        raise ProducerFenced()
+
+    async def send(self, topic: str, value: bytes, key: bytes, partition: int | None = None,
+                   headers: object = None) -> asyncio.Future[None]:
+        acked: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        acked.set_result(None)
+        return acked
+
+    async def send_offsets_to_transaction(self, offsets: object, group_id: str) -> None:
+        return None
+
+
+async def test_a_request_of_a_partition_fenced_a_moment_ago_is_lost_not_fatal() -> None:
+    """Found by the same review (older than the change): the fenced producer stays this worker's until the
+    partition-lost handler (which first waits for the intake's admission lock) releases it; a request finished
+    meanwhile began a transaction on it, aiokafka asserted FATAL_ERROR -> IN_TRANSACTION, and the AssertionError
+    (no KafkaError) ended the commit loop: the whole worker stopped for one lost partition."""
+    offsets = OffsetTracker()
+    offsets.restore(P0, CommittedState(0, 0, frozenset()))
+    offsets.taken(P0, 0)
+    offsets.taken(P0, 1)
+    release = asyncio.Event()
+
+    async def on_lost(tp: TopicPartition) -> None:
+        await release.wait()
+
+    finalizer = Finalizer(OneProducer(FencedAtCommit()), token_topic="tokens",  # type: ignore[arg-type]
+                          usage_topic="usage", group_id="g", offsets=offsets, claims=FakeClaims(), batch_max=8,
+                          give_up_s=5, on_partition_lost=on_lost)
+    loop = asyncio.create_task(finalizer.run())
+    first, second = _finished(2, billed=True), _finished(3, billed=True)
+    second.offset = 1
+    for item in (first, second):
+        with contextlib.suppress(PartitionLost):
+            await finalizer.finish(item)
+        assert item.committed.done() and isinstance(item.committed.exception(), PartitionLost)
+    await asyncio.sleep(0)
+    assert not loop.done(), f"the commit loop died: {loop.exception()!r}"
+    release.set()
+    await finalizer.stop()
+    await loop
