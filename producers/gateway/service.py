@@ -241,9 +241,11 @@ class ChatService:
                       extra: str) -> StreamCollector:
         collector = self._relay.register(request.request_id)
         try:
-            # Both before the client sees a byte: the stream is resumable from its first event.
-            await asyncio.gather(self._publisher.submit(request, traceparent),
-                                 self._record_stream(request, collector, created, include_usage, extra))
+            # Both before the client sees a byte: the stream is resumable from its first event. One after the other:
+            # written beside the produce, the stream record's Redis command went out first and held the request
+            # 0.35 ms from the wire (DEVELOPERS.md "Benchmarks on 2 cores"); the first token is far off still.
+            await self._publisher.submit(request, traceparent)
+            await self._record_stream(request, collector, created, include_usage, extra)
         except BaseException:
             self._relay.unregister(request.request_id)
             # The produce may have failed after the record reached the log (a lost ack): no worker may generate it.
