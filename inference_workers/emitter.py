@@ -209,15 +209,18 @@ class Finalizer:
     async def _commit_partition(self, tp: TopicPartition, items: list[Finished]) -> None:
         delay = 0.1
         isolated = False
+        owner: AIOKafkaProducer | None = None
         while True:
             producer = self._transactions.producer(tp)
-            if producer is None:
+            if producer is None or owner not in (None, producer):
+                # Gone, or lost and regained while this retry slept: the records are the new ownership's to take.
                 return _fail(items, PartitionLost(f"partition {tp.partition} is no longer this worker's"))
+            if _fenced(producer):
+                # Fenced by an earlier commit whose partition-lost handler runs already (and has not released the
+                # producer yet): aiokafka would refuse a new transaction on it with an AssertionError.
+                return _fail(items, PartitionLost(f"partition {tp.partition} moved to another worker"))
+            owner = producer
             try:
-                if _fenced(producer):
-                    # Fenced by an earlier commit; the partition-lost handler has not released it yet, and aiokafka
-                    # refuses a new transaction on it with an AssertionError.
-                    raise ProducerFenced()
                 await self._commit(producer, tp, items)
             except ProducerFenced:
                 log.warning("fenced: partition moved to another worker", extra={"partition": tp.partition})
@@ -302,7 +305,7 @@ class Finalizer:
         except BaseException:
             # Not finished until their own transaction commits: a sibling's commit must not say they are.
             for item in items:
-                self._offsets.taken(item.source, item.offset)
+                self._offsets.reopen(item.source, item.offset)
             raise
         return offsets
 

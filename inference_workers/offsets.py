@@ -135,6 +135,13 @@ class OffsetTracker:
             if offset == part.next - 1:
                 part.next = offset
 
+    def reopen(self, tp: TopicPartition, offset: int) -> None:
+        """A record marked done whose commit failed is open again, if this worker took it under the partition's
+        current ownership (taken, not committed yet): one lost and regained since starts from the committed state."""
+        part = self._parts.get(tp)
+        if part is not None and part.committed <= offset < part.next:
+            part.open.add(offset)
+
     def done(self, tp: TopicPartition, offset: int) -> None:
         part = self._parts.get(tp)
         if part is not None:

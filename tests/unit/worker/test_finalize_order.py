@@ -14,11 +14,11 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from aiokafka import TopicPartition
-from aiokafka.errors import MessageSizeTooLargeError, ProducerFenced
+from aiokafka.errors import KafkaConnectionError, MessageSizeTooLargeError, ProducerFenced
 from aiokafka.producer.transaction_manager import TransactionManager
 
 from inference_workers.emitter import Finalizer, Finished, PartitionLost
-from inference_workers.offsets import CommittedState, OffsetTracker, decode_state
+from inference_workers.offsets import CommittedState, OffsetTracker, Taken, decode_state
 from schemas.codec import codec_for
 from schemas.events import ErrorCode, TokenEvent, UsageEvent
 from tests.fakes.kafka import FakeClaims
@@ -203,3 +203,117 @@ async def test_a_request_of_a_partition_fenced_a_moment_ago_is_lost_not_fatal() 
     release.set()
     await finalizer.stop()
     await loop
+
+
+async def test_one_fencing_starts_one_partition_lost_handler() -> None:
+    """Second review: every request finished on the fenced producer started another handler; a later one, run
+    after a rebalance gave the partition back, would drop the new ownership."""
+    offsets = OffsetTracker()
+    offsets.restore(P0, CommittedState(0, 0, frozenset()))
+    calls: list[TopicPartition] = []
+    release = asyncio.Event()
+
+    async def on_lost(tp: TopicPartition) -> None:
+        calls.append(tp)
+        await release.wait()
+
+    finalizer = Finalizer(OneProducer(FencedAtCommit()), token_topic="tokens",  # type: ignore[arg-type]
+                          usage_topic="usage", group_id="g", offsets=offsets, claims=FakeClaims(), batch_max=8,
+                          give_up_s=5, on_partition_lost=on_lost)
+    loop = asyncio.create_task(finalizer.run())
+    for offset in range(3):
+        offsets.taken(P0, offset)
+        item = _finished(2, billed=True)
+        item.offset = offset
+        with contextlib.suppress(PartitionLost):
+            await finalizer.finish(item)
+    await asyncio.sleep(0)
+    release.set()
+    await finalizer.stop()
+    await loop
+    assert len(calls) == 1, f"{len(calls)} partition-lost handlers for one fencing"
+
+
+class BrokerAway:
+    """A partition's producer whose every transaction fails with a transient error (the broker going away)."""
+
+    def __init__(self) -> None:
+        self.attempts = 0
+        self.tried = asyncio.Event()
+
+        class Txn:
+            @staticmethod
+            def is_fatal_error() -> bool:
+                return False
+
+        self._txn_manager = Txn()
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[None]:
+        self.attempts += 1
+        self.tried.set()
+        yield
+        raise KafkaConnectionError("the broker is away")
+
+    async def send(self, topic: str, value: bytes, key: bytes, partition: int | None = None,
+                   headers: object = None) -> asyncio.Future[None]:
+        acked: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        acked.set_result(None)
+        return acked
+
+    async def send_offsets_to_transaction(self, offsets: object, group_id: str) -> None:
+        return None
+
+
+class Swappable:
+    def __init__(self, producer: BrokerAway) -> None:
+        self.current = producer
+
+    def producer(self, tp: TopicPartition) -> BrokerAway:
+        return self.current
+
+
+async def _regained_while_retrying(committed_after: CommittedState) -> OffsetTracker:
+    """A request's commit fails, and while its retry sleeps P0 is lost and regained (rebalance.py's release and
+    gain: the tracker restarts from the broker's committed state, a new producer is acquired)."""
+    offsets = OffsetTracker()
+    offsets.restore(P0, CommittedState(0, 0, frozenset()))
+    for offset in range(6):
+        offsets.taken(P0, offset)
+    old = BrokerAway()
+    transactions = Swappable(old)
+    finalizer = Finalizer(transactions, token_topic="tokens", usage_topic="usage",  # type: ignore[arg-type]
+                          group_id="g", offsets=offsets, claims=FakeClaims(), batch_max=8, give_up_s=60)
+    loop = asyncio.create_task(finalizer.run())
+    item = _finished(2, billed=True)
+    item.offset = 5
+    waiting = asyncio.ensure_future(finalizer.finish(item))
+    await asyncio.wait_for(old.tried.wait(), 5)
+    offsets.revoke([P0])
+    new = transactions.current = BrokerAway()
+    offsets.restore(P0, committed_after)
+    with contextlib.suppress(PartitionLost):
+        await asyncio.wait_for(waiting, 5)
+    assert new.attempts == 0, "the previous ownership's request was committed on the new producer"
+    await finalizer.stop()
+    await loop
+    return offsets
+
+
+async def test_a_request_of_a_partition_lost_and_regained_leaves_the_new_ownership_alone() -> None:
+    """Second review: the failed retry re-opened offset 5 in the restored state (``taken`` moved ``next`` to 6):
+    records 0-4, open at the last commit and to be taken over, counted as seen and were dropped."""
+    offsets = await _regained_while_retrying(CommittedState(0, 6, frozenset(range(6))))
+    assert offsets.resume_at(P0) == 0
+    assert offsets.classify(P0, 0) is Taken.NEW
+
+
+async def test_a_reopen_below_the_committed_offset_is_ignored() -> None:
+    """The same, where another worker had committed past the request: the re-opened offset below the committed
+    one froze the partition's commits."""
+    offsets = OffsetTracker()
+    offsets.restore(P0, CommittedState(8, 8, frozenset()))
+    offsets.reopen(P0, 5)
+    offsets.taken(P0, 8)
+    offsets.done(P0, 8)
+    assert offsets.committable([P0]), "offset 8 finished, yet nothing is committable"
