@@ -9,6 +9,8 @@ Commits go through the real :class:`inference_workers.offsets.OffsetTracker`. A 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from aiokafka import TopicPartition
@@ -209,3 +211,50 @@ class FakePrefixReader:
         await asyncio.sleep(0)
         text, stream = self.log.client_view(request.request_id)
         return EmittedPrefix(list(stream.token_ids), text, stream.attempt, stream.final, stream.error)
+
+
+class _Healthy:
+    """aiokafka's transaction manager, as a producer neither fenced nor broken shows it."""
+
+    @staticmethod
+    def is_fatal_error() -> bool:
+        return False
+
+
+class TxnProducerStub:
+    """Just enough of a transactional AIOKafkaProducer for the Finalizer: each record is acknowledged at once
+    (``delivery``), the transaction commits, offsets and flush do nothing. Tests override what they stage."""
+
+    def __init__(self) -> None:
+        self._txn_manager: object = _Healthy()
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[None]:
+        yield
+
+    async def send(self, topic: str, value: bytes, key: bytes, partition: int | None = None,
+                   headers: object = None) -> asyncio.Future[None]:
+        return self.delivery()
+
+    def delivery(self) -> asyncio.Future[None]:
+        """The record's ack, as aiokafka's ``send`` returns it: here at once."""
+        acked: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        acked.set_result(None)
+        return acked
+
+    async def send_offsets_to_transaction(self, offsets: object, group_id: str) -> None:
+        return None
+
+    async def flush(self) -> None:
+        return None
+
+
+class OneProducer:
+    """PartitionTransactions with one producer for every partition; ``current`` may be swapped (a partition lost
+    and regained: a new producer)."""
+
+    def __init__(self, producer: TxnProducerStub) -> None:
+        self.current = producer
+
+    def producer(self, tp: TopicPartition) -> TxnProducerStub:
+        return self.current

@@ -4,7 +4,6 @@ on the reviewed code, for the reason its docstring gives."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import Any
 
 from aiokafka import ConsumerRecord, TopicPartition
@@ -20,7 +19,7 @@ from schemas.errors import DecodeError
 from schemas.events import TokenEvent
 from schemas.token_batch import pack
 from tests.fakes.engine import FakeEngine
-from tests.fakes.kafka import FakeClaims, FakeGroup
+from tests.fakes.kafka import FakeClaims, FakeGroup, OneProducer, TxnProducerStub
 from tests.fakes.worker import TOPIC, make, pump, request, stop_made_workers
 from tests.helpers import token_event
 from tests.unit.worker.test_token_sink import TOPIC as TOKENS
@@ -38,43 +37,17 @@ def _v2_reader() -> EventCodec[TokenEvent]:
     return codec
 
 
-class RawTxnProducer:
-    """Just enough of a transactional AIOKafkaProducer for Finalizer._commit; keeps the bytes it was given."""
+class RawTxnProducer(TxnProducerStub):
+    """Keeps the bytes it was given."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.sent: list[tuple[str, bytes]] = []
-
-        class Txn:
-            @staticmethod
-            def is_fatal_error() -> bool:
-                return False
-
-        self._txn_manager = Txn()
-
-    @contextlib.asynccontextmanager
-    async def transaction(self):  # type: ignore[no-untyped-def]
-        yield
 
     async def send(self, topic: str, value: bytes, key: bytes, partition: int | None = None,
                    headers: object = None) -> asyncio.Future[None]:
         self.sent.append((topic, value))
-        acked: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        acked.set_result(None)
-        return acked
-
-    async def send_offsets_to_transaction(self, offsets: object, group_id: str) -> None:
-        return None
-
-    async def flush(self) -> None:
-        return None
-
-
-class OneProducer:
-    def __init__(self, producer: RawTxnProducer) -> None:
-        self._producer = producer
-
-    def producer(self, tp: TopicPartition) -> RawTxnProducer:
-        return self._producer
+        return self.delivery()
 
 
 async def test_with_record_version_2_a_requests_final_is_readable_by_the_readers_not_upgraded_yet() -> None:

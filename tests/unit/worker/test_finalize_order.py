@@ -21,8 +21,8 @@ from inference_workers.emitter import Finalizer, Finished, PartitionLost
 from inference_workers.offsets import CommittedState, OffsetTracker, Taken, decode_state
 from schemas.codec import codec_for
 from schemas.events import ErrorCode, TokenEvent, UsageEvent
-from tests.fakes.kafka import FakeClaims
-from tests.unit.worker.test_text_and_billing_faults import P0, FakeTxnProducer, OneProducer, _finished
+from tests.fakes.kafka import FakeClaims, OneProducer, TxnProducerStub
+from tests.unit.worker.test_text_and_billing_faults import P0, FakeTxnProducer, _finished
 
 
 class AcksLater(FakeTxnProducer):
@@ -62,22 +62,16 @@ async def test_a_transactions_records_are_acknowledged_before_its_offsets_join_i
         f"{producer.unacked_at_offsets[0]} record(s) still in flight when the offsets joined the transaction")
 
 
-class BrokerRefuses:
+class BrokerRefuses(TxnProducerStub):
     """As aiokafka's producer: ``send`` returns the record's delivery; a record the broker refuses (a topic's
     ``max.message.bytes`` below the producer's limit) fails its delivery only, and the transaction commits what
     landed unless the block ends in an exception (then it aborts)."""
 
     def __init__(self, refused_request: str) -> None:
+        super().__init__()
         self.refused_request = refused_request
         self.log: list[tuple[str, TokenEvent | UsageEvent]] = []
         self.offsets_sent: list[dict[object, object]] = []
-
-        class Txn:
-            @staticmethod
-            def is_fatal_error() -> bool:
-                return False
-
-        self._txn_manager = Txn()
 
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[None]:
@@ -100,11 +94,9 @@ class BrokerRefuses:
             loop.call_soon(delivery.set_result, None)
         return delivery
 
-    async def send_offsets_to_transaction(self, offsets: dict[object, object], group_id: str) -> None:
+    async def send_offsets_to_transaction(self, offsets: object, group_id: str) -> None:
+        assert isinstance(offsets, dict)
         self._offsets.append(offsets)
-
-    async def flush(self) -> None:
-        await asyncio.sleep(0)
 
 
 async def _one_refused(refused_second: bool) -> tuple[BrokerRefuses, Finished, Finished]:
@@ -149,29 +141,21 @@ async def test_a_request_retried_alone_does_not_commit_its_sibling_as_finished()
     assert states[-1] == CommittedState(2, 2, frozenset())
 
 
-class FencedAtCommit:
+class FencedAtCommit(TxnProducerStub):
     """aiokafka's own TransactionManager behind a producer whose first commit is fenced (EndTxn answered
     INVALID_PRODUCER_EPOCH): the manager is left in its fatal state, as the real sender leaves it."""
 
     def __init__(self) -> None:
-        self._txn_manager = TransactionManager("t", 60000)
-        self._txn_manager.set_pid_and_epoch(1, 0)
+        super().__init__()
+        self._txn_manager = self._manager = TransactionManager("t", 60000)
+        self._manager.set_pid_and_epoch(1, 0)
 
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[None]:
-        self._txn_manager.begin_transaction()  # as AIOKafkaProducer.begin_transaction: asserts a legal state
+        self._manager.begin_transaction()  # as AIOKafkaProducer.begin_transaction: asserts a legal state
         yield
-        self._txn_manager.fatal_error(ProducerFenced())
+        self._manager.fatal_error(ProducerFenced())
         raise ProducerFenced()
-
-    async def send(self, topic: str, value: bytes, key: bytes, partition: int | None = None,
-                   headers: object = None) -> asyncio.Future[None]:
-        acked: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        acked.set_result(None)
-        return acked
-
-    async def send_offsets_to_transaction(self, offsets: object, group_id: str) -> None:
-        return None
 
 
 async def test_a_request_of_a_partition_fenced_a_moment_ago_is_lost_not_fatal() -> None:
@@ -234,19 +218,13 @@ async def test_one_fencing_starts_one_partition_lost_handler() -> None:
     assert len(calls) == 1, f"{len(calls)} partition-lost handlers for one fencing"
 
 
-class BrokerAway:
+class BrokerAway(TxnProducerStub):
     """A partition's producer whose every transaction fails with a transient error (the broker going away)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.attempts = 0
         self.tried = asyncio.Event()
-
-        class Txn:
-            @staticmethod
-            def is_fatal_error() -> bool:
-                return False
-
-        self._txn_manager = Txn()
 
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[None]:
@@ -254,23 +232,6 @@ class BrokerAway:
         self.tried.set()
         yield
         raise KafkaConnectionError("the broker is away")
-
-    async def send(self, topic: str, value: bytes, key: bytes, partition: int | None = None,
-                   headers: object = None) -> asyncio.Future[None]:
-        acked: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        acked.set_result(None)
-        return acked
-
-    async def send_offsets_to_transaction(self, offsets: object, group_id: str) -> None:
-        return None
-
-
-class Swappable:
-    def __init__(self, producer: BrokerAway) -> None:
-        self.current = producer
-
-    def producer(self, tp: TopicPartition) -> BrokerAway:
-        return self.current
 
 
 async def _regained_while_retrying(committed_after: CommittedState) -> OffsetTracker:
@@ -281,7 +242,7 @@ async def _regained_while_retrying(committed_after: CommittedState) -> OffsetTra
     for offset in range(6):
         offsets.taken(P0, offset)
     old = BrokerAway()
-    transactions = Swappable(old)
+    transactions = OneProducer(old)
     finalizer = Finalizer(transactions, token_topic="tokens", usage_topic="usage",  # type: ignore[arg-type]
                           group_id="g", offsets=offsets, claims=FakeClaims(), batch_max=8, give_up_s=60)
     loop = asyncio.create_task(finalizer.run())

@@ -10,8 +10,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from inference_workers.emitter import Finalizer
 from inference_workers.offsets import CommittedState, OffsetTracker
-from tests.fakes.kafka import FakeClaims
-from tests.unit.worker.test_text_and_billing_faults import P0, FakeTxnProducer, OneProducer, _finished
+from tests.fakes.kafka import FakeClaims, OneProducer
+from tests.unit.worker.test_text_and_billing_faults import P0, FakeTxnProducer, _finished
 
 
 class FlakySettlements:

@@ -20,7 +20,7 @@ from runtime.settings import RedisSettings
 from schemas.codec import codec_for
 from schemas.events import SamplingSpec, TokenEvent, TokenUsage, UsageEvent, utcnow
 from tests.fakes.engine import FakeEngine, Generation
-from tests.fakes.kafka import FakeClaims, FakeGroup
+from tests.fakes.kafka import FakeClaims, FakeGroup, OneProducer, TxnProducerStub
 from tests.fakes.worker import TOPIC, make, pump, request
 
 P0 = TopicPartition(TOPIC, 0)
@@ -127,20 +127,14 @@ async def test_tokens_generated_after_the_gateway_died_are_not_billed() -> None:
         f"billed {usage.completion_tokens} completion tokens; the client received {received}")
 
 
-class FakeTxnProducer:
-    """Just enough of AIOKafkaProducer for Finalizer._commit: sends inside a transaction; the first send of a
-    final event is refused with a non-retriable error (the broker rejects the record)."""
+class FakeTxnProducer(TxnProducerStub):
+    """Sends inside a transaction, logged decoded when it commits; the first send of a final event is refused
+    with a non-retriable error (the broker rejects the record)."""
 
     def __init__(self, log: list[tuple[str, object]]) -> None:
+        super().__init__()
         self.log = log
         self.refuse_final_once = True
-
-        class Txn:
-            @staticmethod
-            def is_fatal_error() -> bool:
-                return False
-
-        self._txn_manager = Txn()
 
     @contextlib.asynccontextmanager
     async def transaction(self):  # type: ignore[no-untyped-def]
@@ -157,26 +151,6 @@ class FakeTxnProducer:
         codec = codec_for(TokenEvent) if topic == "tokens" else codec_for(UsageEvent)
         self._pending.append((topic, codec.decode(value)))
         return self.delivery()
-
-    def delivery(self) -> asyncio.Future[None]:
-        """The record's ack, as aiokafka's ``send`` returns it: at once here."""
-        acked: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        acked.set_result(None)
-        return acked
-
-    async def send_offsets_to_transaction(self, offsets: object, group_id: str) -> None:
-        return None
-
-    async def flush(self) -> None:
-        return None
-
-
-class OneProducer:
-    def __init__(self, producer: FakeTxnProducer) -> None:
-        self._producer = producer
-
-    def producer(self, tp: TopicPartition) -> FakeTxnProducer:
-        return self._producer
 
 
 async def test_a_final_recorded_without_its_text_is_not_billed_for_the_tokens_it_carried() -> None:
