@@ -212,7 +212,7 @@ class Finalizer:
         owner: AIOKafkaProducer | None = None
         while True:
             producer = self._transactions.producer(tp)
-            if producer is None or owner not in (None, producer):
+            if producer is None or (owner is not None and producer is not owner):
                 # Gone, or lost and regained while this retry slept: the records are the new ownership's to take.
                 return _fail(items, PartitionLost(f"partition {tp.partition} is no longer this worker's"))
             if _fenced(producer):
