@@ -78,6 +78,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         redis = make_redis(settings.redis)
         stack.push_async_callback(redis.aclose)
         suspensions = await KeySuspensions.open(session, settings.cassandra.keyspace, redis, settings.redis)
+        suspensions.start()
+        stack.push_async_callback(suspensions.stop)
         token_topic = kafka.topic(TOPICS.tokens.name)
         partitions = await producer.partitions_for(token_topic)
         claim = ReplyPartitionClaim(redis, settings.redis, settings.gateway, token_topic)

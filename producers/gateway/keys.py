@@ -9,16 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
+import math
 import secrets
 import time
 
 from cassandra.cluster import Session
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from runtime.cassandra_client import execute
 from runtime.redis_client import key as redis_key
 from runtime.settings import RedisSettings
 from schemas.events import utcnow
+
+log = logging.getLogger(__name__)
 
 KEY_PREFIX = "sk-kns-"
 
@@ -33,18 +38,30 @@ def new_secret() -> str:
 
 class KeySuspensions:
     """Suspended keys: Cassandra is the record, Redis the cache every gateway reads, and each gateway remembers
-    an answer for ``remember_s``: a key's requests share one Redis read per interval (and the requests that come
-    while it is under way wait for it) instead of a read each, so a suspension takes effect on every gateway
-    within ``remember_s`` of reaching Redis."""
+    an answer for ``remember_s`` from the moment its read began: a key's requests share one Redis read per
+    interval (and the requests that come while it is under way wait for it) instead of a read each, so a
+    suspension takes effect on every gateway within ``remember_s`` of reaching Redis.
+
+    Once started (:meth:`start`), it reads again, in the background and in one round trip, the answers
+    of the keys used within ``keep_s`` before they are ``remember_s`` old: a key in use never waits for Redis on
+    its request's path (a Redis round trip off every request's time to first token), and the bound above holds
+    as it is, since only answers younger than ``remember_s`` are ever used. While Redis does not answer, the
+    answers age out and the requests read for themselves (and meet the outage as before)."""
 
     def __init__(self, session: Session, keyspace: str, redis: Redis, redis_settings: RedisSettings,
-                 remember_s: float = 0.25) -> None:
+                 remember_s: float = 0.25, keep_s: float = 30.0) -> None:
         self._session = session
         self._redis = redis
         self._redis_settings = redis_settings
         self._remember_s = remember_s
+        self._keep_s = keep_s
+        #: key id -> (when the read that gave the answer began, the answer)
         self._known: dict[str, tuple[float, str | None]] = {}
         self._reading: dict[str, asyncio.Future[str | None]] = {}
+        #: key id -> when a request last asked (the keys kept fresh; recorded only while the refresher runs)
+        self._asked: dict[str, float] = {}
+        self._asking = False
+        self._refresher: asyncio.Task[None] | None = None
         self._insert = session.prepare(
             f"INSERT INTO {keyspace}.key_suspensions (key_id, org_id, reason, alert_id, suspended_at) "
             "VALUES (?, ?, ?, ?, ?)")
@@ -74,6 +91,8 @@ class KeySuspensions:
     async def reason(self, key_id: str) -> str | None:
         """Why the key is suspended (None: it is not). Raises what Redis raises when there is no recent answer."""
         now = time.monotonic()
+        if self._asking:
+            self._asked[key_id] = now
         known = self._known.get(key_id)
         if known is not None and now - known[0] < self._remember_s:
             return known[1]
@@ -89,13 +108,17 @@ class KeySuspensions:
             value = await self._redis.get(self._cache_key(key_id))
         finally:
             del self._reading[key_id]
+        self._forget_old()
+        return self._learn(key_id, started, value)
+
+    def _learn(self, key_id: str, started: float, value: object) -> str | None:
+        """Remember what a read begun at ``started`` found, unless a newer answer is known already (a suspension or
+        lift made here while it was under way: Redis may have answered before the change; or a later read)."""
         known = self._known.get(key_id)
         if known is not None and known[0] >= started:
-            # suspended or lifted here while the read was under way: Redis may have answered before the change
             return known[1]
         reason = None if value is None else str(value)
-        self._forget_old()
-        self._known[key_id] = (time.monotonic(), reason)
+        self._known[key_id] = (started, reason)
         return reason
 
     def _forget_old(self) -> None:
@@ -105,6 +128,47 @@ class KeySuspensions:
         cutoff = time.monotonic() - self._remember_s
         for key_id in [k for k, (at, _) in self._known.items() if at < cutoff]:
             del self._known[key_id]
+
+    def start(self) -> None:
+        """Keep the answers of the keys in use fresh, in the background, until :meth:`stop` (see the class)."""
+        if self._refresher is None:
+            self._asking = True
+            self._refresher = asyncio.create_task(self._refresh_ahead(), name="suspension-refresh")
+
+    async def stop(self) -> None:
+        refresher, self._refresher = self._refresher, None
+        if refresher is not None:
+            refresher.cancel()
+            await asyncio.gather(refresher, return_exceptions=True)
+        self._asking = False
+        self._asked.clear()
+
+    async def _refresh_ahead(self) -> None:
+        every = self._remember_s / 2
+        while True:
+            await asyncio.sleep(every)
+            try:
+                await self.refresh(older_than=every)
+            except (RedisError, OSError) as exc:  # the requests read for themselves meanwhile
+                log.debug("suspension refresh failed", extra={"reason": repr(exc)})
+
+    async def refresh(self, *, older_than: float) -> int:
+        """Read again, in one round trip, the answers of the keys asked for within ``keep_s`` that are at least
+        ``older_than`` old; returns how many were read."""
+        now = time.monotonic()
+        for key_id in [k for k, at in self._asked.items() if now - at > self._keep_s]:
+            del self._asked[key_id]
+        stale = [k for k in self._asked if now - self._known.get(k, (-math.inf, None))[0] >= older_than]
+        if not stale:
+            return 0
+        started = time.monotonic()
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for key_id in stale:
+                pipe.get(self._cache_key(key_id))
+            values = await pipe.execute()
+        for key_id, value in zip(stale, values, strict=True):
+            self._learn(key_id, started, value)
+        return len(stale)
 
     async def all(self) -> list[dict[str, object]]:
         return await execute(self._session, self._all)

@@ -1,6 +1,7 @@
 """The gateway's memory of key suspensions (``KeySuspensions.reason``): one Redis read per key per interval, shared
-by the requests that wait for it; a suspension or lift made here is seen here at once. Redis is a fake (pure logic:
-the real one is exercised by the abuse e2e tests)."""
+by the requests that wait for it; a suspension or lift made here is seen here at once; once started, the answers
+of the keys in use are read again ahead of time, so their requests do not wait for Redis, and never outlive the
+interval. Redis is a fake (pure logic: the real one is exercised by the abuse e2e tests)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ class FakeRedis:
         self.gate = asyncio.Event()
         self.gate.set()
         self.down = False
+        #: pipelined round trips (the refresher's)
+        self.round_trips = 0
+        self.pipeline_gate = asyncio.Event()
+        self.pipeline_gate.set()
 
     async def get(self, key: str) -> str | None:
         self.gets += 1
@@ -39,6 +44,31 @@ class FakeRedis:
 
     async def delete(self, key: str) -> int:
         return 1 if self.values.pop(key, None) is not None else 0
+
+    def pipeline(self, transaction: bool = True) -> FakePipeline:
+        return FakePipeline(self)
+
+
+class FakePipeline:
+    def __init__(self, redis: FakeRedis) -> None:
+        self._redis = redis
+        self._keys: list[str] = []
+
+    async def __aenter__(self) -> FakePipeline:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        return None
+
+    def get(self, key: str) -> None:
+        self._keys.append(key)
+
+    async def execute(self) -> list[str | None]:
+        self._redis.round_trips += 1
+        await self._redis.pipeline_gate.wait()
+        if self._redis.down:
+            raise RedisConnectionError("down")
+        return [self._redis.values.get(k) for k in self._keys]
 
 
 def suspensions(redis: FakeRedis, remember_s: float = 0.25) -> KeySuspensions:
@@ -108,3 +138,91 @@ async def test_redis_down_is_not_remembered() -> None:
     redis.down = False
     assert await s.reason("k1") is None
     assert redis.gets == 2
+
+
+async def test_a_key_in_use_is_read_ahead_and_its_requests_do_not_wait_for_redis() -> None:
+    redis = FakeRedis()
+    s = suspensions(redis, remember_s=0.1)
+    s.start()
+    try:
+        assert await s.reason("k1") is None and redis.gets == 1
+        for _ in range(6):
+            await asyncio.sleep(0.05)
+            redis.gate.clear()  # a request that read Redis itself would wait here forever
+            assert await asyncio.wait_for(s.reason("k1"), 1) is None
+            redis.gate.set()
+        assert redis.gets == 1 and redis.round_trips >= 2
+    finally:
+        await s.stop()
+
+
+async def test_a_suspension_reaches_a_key_in_use_within_the_interval() -> None:
+    redis = FakeRedis()
+    s = suspensions(redis, remember_s=0.1)
+    s.start()
+    try:
+        assert await s.reason("k1") is None
+        redis.values[s._cache_key("k1")] = "abuse"  # the detector suspended it
+        await asyncio.sleep(0.1)
+        assert await s.reason("k1") == "abuse"
+        assert redis.gets == 1  # the refresher's read brought it
+    finally:
+        await s.stop()
+
+
+async def test_an_answer_the_refresher_cannot_renew_is_not_used_past_the_interval() -> None:
+    redis = FakeRedis()
+    s = suspensions(redis, remember_s=0.1)
+    s.start()
+    try:
+        assert await s.reason("k1") is None
+        redis.down = True
+        await asyncio.sleep(0.15)
+        with pytest.raises(RedisConnectionError):
+            await s.reason("k1")
+        redis.down = False
+        assert await s.reason("k1") is None
+    finally:
+        await s.stop()
+
+
+async def test_a_refresh_under_way_does_not_undo_a_suspension_made_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def recorded(*_: object) -> list[dict[str, object]]:
+        return []
+
+    monkeypatch.setattr("producers.gateway.keys.execute", recorded)
+    redis = FakeRedis()
+    s = suspensions(redis, remember_s=60)
+    s._asking = True  # what start() does, without its timer: the refresh is driven by hand
+    assert await s.reason("k1") is None
+    redis.pipeline_gate.clear()
+    refreshing = asyncio.ensure_future(s.refresh(older_than=0))
+    await asyncio.sleep(0)  # its read is under way: Redis answers "not suspended"
+    await s.suspend("k1", "org", "abuse", "alert-1")
+    redis.values.pop(s._cache_key("k1"))  # what Redis said before the suspension reached it
+    redis.pipeline_gate.set()
+    assert await refreshing == 1
+    assert await s.reason("k1") == "abuse"
+
+
+async def test_keys_unused_for_a_while_are_no_longer_read() -> None:
+    redis = FakeRedis()
+    s = suspensions(redis, remember_s=60)
+    s._keep_s = 0.05
+    s._asking = True
+    assert await s.reason("k1") is None
+    assert await s.refresh(older_than=0) == 1
+    await asyncio.sleep(0.06)
+    assert await s.refresh(older_than=0) == 0
+    assert redis.round_trips == 1
+
+
+async def test_a_stopped_cache_keeps_no_list_of_keys() -> None:
+    s = suspensions(FakeRedis())
+    assert await s.reason("k1") is None
+    assert s._asked == {}
+    s.start()
+    assert await s.reason("k2") is None
+    assert s._asked
+    await s.stop()
+    assert s._asked == {} and await s.refresh(older_than=0) == 0
