@@ -37,6 +37,7 @@ from redis.exceptions import RedisError
 from inference_workers.claims import ClaimVerdict
 from inference_workers.control import RecentControls
 from inference_workers.emitter import Delivery, Finished, PartitionLost
+from inference_workers.head_start import HeadStart
 from inference_workers.offsets import OffsetTracker, Taken
 from inference_workers.protocol import (
     ClaimsT,
@@ -131,6 +132,8 @@ class Job:
     finalizing: bool = False
     #: the completion's text so far, earlier attempts' included (kept only when it is stored or a turn recorded)
     text_parts: list[str] = field(default_factory=list)
+    #: the engine was given the request before its claim came back (``head_start.py``); read by ``_stream``
+    head: HeadStart | None = None
 
     def describe(self) -> dict[str, object]:
         return {"request_id": self.request.request_id, "attempt": self.attempt, "tokens": self.tokens,
@@ -229,16 +232,27 @@ class Intake:
 
     async def _admit(self, request: ChatRequest, record: ConsumerRecord[bytes, bytes], tp: TopicPartition) -> None:
         attempt = self._active[tp]
+        inherited = self._offsets.inherited(tp, record.offset)
+        early = self._controls.get(request.request_id)
+        head = self._head_start(request, tp, attempt) if not inherited and early is None else None
         started = time.perf_counter()
         try:
             claim = await self._claims.claim(request.request_id, f"{record.topic}:{record.partition}:{record.offset}",
                                              attempt, org_id=request.org_id, key_id=request.key_id)
             WORKER_CLAIM.observe(time.perf_counter() - started)
         except CLAIM_ERRORS as exc:
+            await _dropped(head)
             WORKER_DEFERRED.labels(reason="claims_unavailable").inc()
             self.degraded = f"request claims unavailable (Redis): {exc!r}"
             raise RetryLater(self.degraded, self._retry_delay_s) from exc
+        except BaseException:
+            self._drop(head)  # cancelled: in the background
+            raise
         self.degraded = None
+        if claim.verdict is not ClaimVerdict.START or claim.previous > 0:
+            # Someone else's, finished, or an earlier attempt's to continue: the engine forgets it before anything
+            # else of this request reaches it (a takeover's own generation).
+            await _dropped(head)
         if claim.verdict is ClaimVerdict.STALE:
             return self._stale(tp, f"attempt {claim.previous} of {request.request_id} outranks ours ({attempt})")
         if claim.verdict is not ClaimVerdict.START:
@@ -246,8 +260,9 @@ class Intake:
         self._offsets.taken(tp, record.offset)
         job = Job(request, tp, record.offset, attempt, child_of(from_headers(record.headers)),
                   time.perf_counter(), utcnow())
-        job.takeover = claim.previous > 0 or self._offsets.inherited(tp, record.offset)
-        early = self._controls.get(request.request_id)
+        job.takeover = claim.previous > 0 or inherited
+        if not job.takeover:
+            job.head = head
         if early is not None:
             # Cancelled while it waited in the backlog: commit it as such, the engine never sees it.
             job.abort_cause = _cause(early)
@@ -258,6 +273,24 @@ class Intake:
         log.info("request admitted", extra={"attempt": attempt, "partition": tp.partition,
                                             "offset": record.offset, "takeover": job.takeover})
         return None
+
+    def _head_start(self, request: ChatRequest, tp: TopicPartition, attempt: int) -> HeadStart | None:
+        """Give the engine a fresh request before its claim is back, when nothing says it is not fresh (see
+        ``head_start.py``). Not while claims are failing (each retry would prefill again for nothing), nor past
+        its queue deadline (it is not generated)."""
+        if self.degraded is not None or (request.deadline_at is not None and utcnow() > request.deadline_at):
+            return None
+        return HeadStart(self._engine_deltas(request, tp, attempt, NOTHING_EMITTED))
+
+    def _drop(self, head: HeadStart | None) -> None:
+        if head is not None and not head.dropped:
+            self._spawn(head.drop())
+
+    def _engine_deltas(self, request: ChatRequest, tp: TopicPartition, attempt: int, prefix: EmittedPrefix
+                       ) -> AsyncGenerator[EngineDelta, None]:
+        steps = plan(request, prefix)
+        return self._engine.generate(f"{request.request_id}#{attempt}", steps.prompt_token_ids, steps.sampling,
+                                     priority=self._priority_of(tp))
 
     def _stale(self, tp: TopicPartition, why: str) -> None:
         """A newer owner holds this partition (this worker missed a rebalance): admit nothing more from it and
@@ -376,6 +409,7 @@ class Intake:
             except PartitionLost:
                 log.info("partition moved before the commit; its new owner finishes the request")
             finally:
+                self._drop(job.head)  # dropped already when read; else aborted, expired or stopped before it ran
                 self.jobs.pop(job.request.request_id, None)
                 WORKER_IN_FLIGHT.set(len(self.jobs))
                 self.room_freed.set()
@@ -482,10 +516,10 @@ class Intake:
         steps = plan(request, job.prefix)
         replay = ReplayFilter(steps.replay) if steps.replay.tokens else None
         job.ran = True
-        engine_id = f"{request.request_id}#{job.attempt}"
+        output = (job.head.deltas() if job.head is not None else
+                  self._engine_deltas(request, job.source, job.attempt, job.prefix))
         # NOTE: closed on every exit, so the engine aborts the request at once (not when the generator is collected).
-        async with contextlib.aclosing(self._engine.generate(engine_id, steps.prompt_token_ids, steps.sampling,
-                                                             priority=self._priority_of(job.source))) as deltas:
+        async with contextlib.aclosing(output) as deltas:
             return await self._relay_deltas(job, deltas, replay)
 
     async def _relay_deltas(self, job: Job, deltas: AsyncGenerator[EngineDelta, None], replay: ReplayFilter | None
@@ -615,6 +649,11 @@ class Intake:
 
     def state(self) -> list[dict[str, object]]:
         return [job.describe() for job in self.jobs.values()]
+
+
+async def _dropped(head: HeadStart | None) -> None:
+    if head is not None:
+        await head.drop()
 
 
 def _past_deadline(job: Job) -> bool:
