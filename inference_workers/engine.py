@@ -7,6 +7,7 @@ and errors onto the protocol.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import AsyncGenerator
@@ -124,16 +125,18 @@ class VllmEngine:
         try:
             # vLLM schedules a lower value first; it refuses a priority under the fcfs policy
             ranked = {"priority": priority} if self._args.get("scheduling_policy") == "priority" else {}
-            async for out in self._llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids), params,
-                                                request_id, **ranked):
-                completion = out.outputs[0]
-                yield EngineDelta(
-                    token_ids=list(completion.token_ids),
-                    text=completion.text,
-                    finish_reason=completion.finish_reason if out.finished else None,
-                    prompt_tokens=prompt_tokens,
-                    cached_tokens=out.num_cached_tokens or 0,
-                )
+            # NOTE: closed with ours, so a request we stop reading is aborted in vLLM at once (not by the collector).
+            async with contextlib.aclosing(self._llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids),
+                                                              params, request_id, **ranked)) as outputs:
+                async for out in outputs:
+                    completion = out.outputs[0]
+                    yield EngineDelta(
+                        token_ids=list(completion.token_ids),
+                        text=completion.text,
+                        finish_reason=completion.finish_reason if out.finished else None,
+                        prompt_tokens=prompt_tokens,
+                        cached_tokens=out.num_cached_tokens or 0,
+                    )
         except VllmEngineDead as exc:
             raise EngineDeadError(str(exc)) from exc
 

@@ -22,9 +22,13 @@ class HeadStart:
 
     def __init__(self, deltas: AsyncGenerator[EngineDelta, None]) -> None:
         self._deltas = deltas
-        self.dropped = False
         # Iterating the generator once is what hands the request to the engine; the output waits in this task.
         self._first: asyncio.Future[EngineDelta] = asyncio.ensure_future(deltas.__anext__())
+        self._dropping: asyncio.Future[None] | None = None
+
+    @property
+    def dropped(self) -> bool:
+        return self._dropping is not None
 
     async def deltas(self) -> AsyncGenerator[EngineDelta, None]:
         """The engine's output from its first delta; closing it aborts the request in the engine."""
@@ -40,9 +44,19 @@ class HeadStart:
             await self.drop()
 
     async def drop(self) -> None:
-        """Abort the request in the engine, whatever it got to (idempotent; its output and errors are discarded)."""
-        self.dropped = True
-        if not self._first.done():
-            self._first.cancel()  # the engine's generator aborts the request on the cancel
-        await asyncio.gather(self._first, return_exceptions=True)
-        await self._deltas.aclose()
+        """Abort the request in the engine, whatever it got to (idempotent; its output and errors are discarded).
+        The abort runs once, to its end, in a task of its own: a caller cancelled while it waits (an abort, then a
+        revocation) does not cut it short."""
+        if self._dropping is None:
+            self._dropping = asyncio.ensure_future(self._abort())
+        await asyncio.shield(self._dropping)
+
+    async def _abort(self) -> None:
+        try:
+            if not self._first.done():
+                self._first.cancel()  # the engine's generator aborts the request on the cancel
+                await asyncio.wait({self._first})
+            if not self._first.cancelled():
+                self._first.exception()  # retrieved: its errors are of no interest once dropped
+        finally:
+            await self._deltas.aclose()

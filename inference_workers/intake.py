@@ -233,8 +233,8 @@ class Intake:
     async def _admit(self, request: ChatRequest, record: ConsumerRecord[bytes, bytes], tp: TopicPartition) -> None:
         attempt = self._active[tp]
         inherited = self._offsets.inherited(tp, record.offset)
-        early = self._controls.get(request.request_id)
-        head = self._head_start(request, tp, attempt) if not inherited and early is None else None
+        cancelled = self._controls.get(request.request_id) is not None
+        head = self._head_start(request, tp, attempt) if not inherited and not cancelled else None
         started = time.perf_counter()
         try:
             claim = await self._claims.claim(request.request_id, f"{record.topic}:{record.partition}:{record.offset}",
@@ -258,18 +258,21 @@ class Intake:
         if claim.verdict is not ClaimVerdict.START:
             return self._skip(tp, record.offset, claim.verdict.value)
         self._offsets.taken(tp, record.offset)
-        job = Job(request, tp, record.offset, attempt, child_of(from_headers(record.headers)),
-                  time.perf_counter(), utcnow())
+        job = Job(request, tp, record.offset, attempt, child_of(from_headers(record.headers)), started, utcnow())
         job.takeover = claim.previous > 0 or inherited
-        if not job.takeover:
-            job.head = head
+        early = self._controls.get(request.request_id)  # read again: one may have come during the claim
         if early is not None:
-            # Cancelled while it waited in the backlog: commit it as such, the engine never sees it.
+            # Cancelled while it waited in the backlog (or for its claim): commit it as such, the engine forgets it.
+            await _dropped(head)
             job.abort_cause = _cause(early)
             job.received_cap = early.delivered_tokens
+        elif not job.takeover:
+            job.head = head
         self.jobs[request.request_id] = job
         WORKER_IN_FLIGHT.set(len(self.jobs))
         job.task = asyncio.create_task(self._run(job), name=f"generate-{request.request_id}")
+        # NOTE: a callback, not the coroutine's ``finally``: a task cancelled before its first step never runs it.
+        job.task.add_done_callback(partial(self._ended, job))
         log.info("request admitted", extra={"attempt": attempt, "partition": tp.partition,
                                             "offset": record.offset, "takeover": job.takeover})
         return None
@@ -408,11 +411,13 @@ class Intake:
                 pass  # moved or stopping: the next owner takes it over
             except PartitionLost:
                 log.info("partition moved before the commit; its new owner finishes the request")
-            finally:
-                self._drop(job.head)  # dropped already when read; else aborted, expired or stopped before it ran
-                self.jobs.pop(job.request.request_id, None)
-                WORKER_IN_FLIGHT.set(len(self.jobs))
-                self.room_freed.set()
+
+    def _ended(self, job: Job, _task: asyncio.Task[None]) -> None:
+        self._drop(job.head)  # dropped already when read; else aborted, expired or stopped before it ran
+        if self.jobs.get(job.request.request_id) is job:
+            del self.jobs[job.request.request_id]
+        WORKER_IN_FLIGHT.set(len(self.jobs))
+        self.room_freed.set()
 
     async def _generate(self, job: Job) -> Outcome | None:
         """Run the engine; the outcome to commit, or None when nothing is committed (moved, stopping)."""
@@ -424,9 +429,14 @@ class Intake:
             if job.abort_cause is not None:
                 raise asyncio.CancelledError
             if _past_deadline(job):
+                await _dropped(job.head)  # it is not generated: the engine forgets it before the commit
                 return _expired(job)
             return await self._stream(job)
         except asyncio.CancelledError:
+            # The engine forgets it before the commit (a no-op once read). A second cancel meanwhile (a revocation
+            # after an abort) does not skip what follows: the cause it set decides.
+            with contextlib.suppress(asyncio.CancelledError):
+                await _dropped(job.head)
             cause = job.abort_cause or "shutdown"
             WORKER_ABORTED.labels(cause=cause).inc()
             finish_reason = ABORT_OUTCOMES.get(cause)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import heapq
 import logging
 import math
 import secrets
@@ -49,15 +50,17 @@ class KeySuspensions:
     answers age out and the requests read for themselves (and meet the outage as before)."""
 
     def __init__(self, session: Session, keyspace: str, redis: Redis, redis_settings: RedisSettings,
-                 remember_s: float = 0.25, keep_s: float = 30.0) -> None:
+                 remember_s: float = 0.25, keep_s: float = 10.0, refresh_max_keys: int = 1000) -> None:
         self._session = session
         self._redis = redis
         self._redis_settings = redis_settings
         self._remember_s = remember_s
         self._keep_s = keep_s
+        self._refresh_max_keys = refresh_max_keys
         #: key id -> (when the read that gave the answer began, the answer)
         self._known: dict[str, tuple[float, str | None]] = {}
-        self._reading: dict[str, asyncio.Future[str | None]] = {}
+        #: key id -> the read under way (when it began, its answer to come)
+        self._reading: dict[str, tuple[float, asyncio.Future[str | None]]] = {}
         #: key id -> when a request last asked (the keys kept fresh; recorded only while the refresher runs)
         self._asked: dict[str, float] = {}
         self._asking = False
@@ -97,17 +100,18 @@ class KeySuspensions:
         if known is not None and now - known[0] < self._remember_s:
             return known[1]
         reading = self._reading.get(key_id)
-        if reading is None:
-            reading = self._reading[key_id] = asyncio.ensure_future(self._read(key_id))
+        if reading is None or now - reading[0] >= self._remember_s:
+            # none under way, or one begun too long ago for its answer to be used: a read of this request's own
+            reading = self._reading[key_id] = (now, asyncio.ensure_future(self._read(key_id, now)))
         # shielded: one caller that leaves must not cancel the read the others wait for
-        return await asyncio.shield(reading)
+        return await asyncio.shield(reading[1])
 
-    async def _read(self, key_id: str) -> str | None:
-        started = time.monotonic()
+    async def _read(self, key_id: str, started: float) -> str | None:
         try:
             value = await self._redis.get(self._cache_key(key_id))
         finally:
-            del self._reading[key_id]
+            if self._reading.get(key_id, (None,))[0] == started:
+                del self._reading[key_id]
         self._forget_old()
         return self._learn(key_id, started, value)
 
@@ -151,14 +155,19 @@ class KeySuspensions:
                 await self.refresh(older_than=every)
             except (RedisError, OSError) as exc:  # the requests read for themselves meanwhile
                 log.debug("suspension refresh failed", extra={"reason": repr(exc)})
+            except Exception:  # never the end of the refresher: the requests would wait for Redis from then on
+                log.exception("suspension refresh failed")
 
     async def refresh(self, *, older_than: float) -> int:
         """Read again, in one round trip, the answers of the keys asked for within ``keep_s`` that are at least
-        ``older_than`` old; returns how many were read."""
+        ``older_than`` old, the ``refresh_max_keys`` most recently asked (the others read for themselves); returns
+        how many were read."""
         now = time.monotonic()
         for key_id in [k for k, at in self._asked.items() if now - at > self._keep_s]:
             del self._asked[key_id]
         stale = [k for k in self._asked if now - self._known.get(k, (-math.inf, None))[0] >= older_than]
+        if len(stale) > self._refresh_max_keys:
+            stale = heapq.nlargest(self._refresh_max_keys, stale, key=self._asked.__getitem__)
         if not stale:
             return 0
         started = time.monotonic()

@@ -52,6 +52,11 @@ class FakeEngine:
         for _ in range(n):
             gate.release()
 
+    def served(self) -> list[Generation]:
+        """The generations that produced a token or still run: not a head start the worker gave the engine before
+        the request's claim came back and aborted, on the claim's verdict, before its first token."""
+        return [g for g in self.generations if g.emitted or not g.aborted]
+
     def generation(self, request_id: str) -> Generation:
         return next(g for g in reversed(self.generations) if g.request_id.split("#")[0] == request_id)
 

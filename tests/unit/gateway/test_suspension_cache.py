@@ -226,3 +226,59 @@ async def test_a_stopped_cache_keeps_no_list_of_keys() -> None:
     assert s._asked
     await s.stop()
     assert s._asked == {} and await s.refresh(older_than=0) == 0
+
+
+class SlowReplyRedis(FakeRedis):
+    async def get(self, key: str) -> str | None:
+        self.gets += 1
+        value = self.values.get(key)  # Redis runs the GET now ...
+        await self.gate.wait()  # ... and its reply is slow to come back
+        return value
+
+
+async def test_a_request_never_joins_a_read_older_than_the_interval() -> None:
+    """Review: a request joined the read under way however long ago it began, and could be let through on an
+    answer from before a suspension that reached Redis many intervals earlier."""
+    redis = SlowReplyRedis()
+    s = suspensions(redis, remember_s=0.05)
+    redis.gate.clear()
+    first = asyncio.ensure_future(s.reason("k1"))  # its read begins
+    await asyncio.sleep(0.01)
+    redis.values[s._cache_key("k1")] = "abuse"  # the suspension reaches Redis
+    await asyncio.sleep(0.2)
+    late = asyncio.ensure_future(s.reason("k1"))  # a request 4 intervals later
+    await asyncio.sleep(0)
+    redis.gate.set()
+    await first  # None, or the newer answer when the later read is back first
+    assert await late == "abuse"
+
+
+async def test_the_refresher_reads_at_most_its_cap_the_most_recently_asked_first() -> None:
+    redis = FakeRedis()
+    s = suspensions(redis, remember_s=60)
+    s._refresh_max_keys = 2
+    s._asking = True
+    for key_id in ("k1", "k2", "k3"):
+        assert await s.reason(key_id) is None
+        await asyncio.sleep(0.001)
+    redis.values[s._cache_key("k1")] = "abuse"
+    redis.values[s._cache_key("k3")] = "abuse"
+    assert await s.refresh(older_than=0) == 2
+    assert s._known["k3"][1] == "abuse" and s._known["k1"][1] is None  # k1, asked first, was left out
+
+
+async def test_a_refresher_that_meets_an_unexpected_error_goes_on() -> None:
+    redis = FakeRedis()
+    s = suspensions(redis, remember_s=0.05)
+    failures = 0
+
+    async def refresh(*, older_than: float) -> int:
+        nonlocal failures
+        failures += 1
+        raise ValueError("a bug of ours")
+
+    s.refresh = refresh  # type: ignore[method-assign]
+    s.start()
+    await asyncio.sleep(0.1)
+    assert failures >= 2 and s._refresher is not None and not s._refresher.done()
+    await s.stop()

@@ -5,12 +5,17 @@ START leaves the engine without it before anything else of the request reaches t
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncGenerator
+from typing import Any
 
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from inference_workers.engine import VllmEngine
+from inference_workers.head_start import HeadStart
 from schemas.errors import RetryLater
-from schemas.events import ControlAction, ControlEvent, utcnow
+from schemas.events import ControlAction, ControlEvent, SamplingSpec, utcnow
 from tests.fakes.engine import FakeEngine
 from tests.fakes.kafka import FakeGroup
 from tests.fakes.worker import FakeWorker, pump, request
@@ -19,6 +24,11 @@ from tests.fakes.worker import FakeWorker, pump, request
 def held(group: FakeGroup) -> asyncio.Event:
     group.claims.hold = asyncio.Event()
     return group.claims.hold
+
+
+def cancel(request_id: str) -> ControlEvent:
+    return ControlEvent(request_id=request_id, action=ControlAction.CANCEL, reason="client_disconnected",
+                        issued_by="gw/1", issued_at=utcnow(), delivered_tokens=0)
 
 
 async def test_the_engine_has_a_fresh_request_before_its_claim_is_back_and_nothing_is_emitted_before() -> None:
@@ -135,9 +145,7 @@ async def test_a_request_cancelled_in_the_backlog_gets_no_head_start() -> None:
     worker = FakeWorker("w1", group, FakeEngine(auto=False))
     await worker.assign(0)
     req = request()
-    worker.intake.on_control(ControlEvent(request_id=req.request_id, action=ControlAction.CANCEL,
-                                          reason="client_disconnected", issued_by="gw/1", issued_at=utcnow(),
-                                          delivered_tokens=0))
+    worker.intake.on_control(cancel(req.request_id))
     await worker.handle(req, 0, 0)
     await worker.settle()
     assert worker.engine.generations == []
@@ -174,3 +182,83 @@ async def test_an_engine_that_refuses_a_head_start_fails_the_request_as_it_would
     _, stream = group.log.client_view(req.request_id)
     assert stream.final is not None and stream.final.error_code == "generation_failed"
     assert "prompt too long" in (stream.final.error or "")
+
+
+async def test_a_cancel_that_arrives_while_the_claim_is_under_way_is_honoured() -> None:
+    """Review: the backlog's cancels were read before the claim, and one arriving during it was lost (the request
+    was generated and billed in full for a client that had hung up)."""
+    group = FakeGroup()
+    worker = FakeWorker("w1", group)
+    await worker.assign(0)
+    req = request(max_tokens=50)
+    claim = held(group)
+    handling = asyncio.ensure_future(worker.handle(req, 0, 0))
+    await pump()
+    worker.intake.on_control(cancel(req.request_id))  # the client hangs up while the claim is on its way
+    claim.set()
+    await handling
+    await worker.settle()
+    _, stream = group.log.client_view(req.request_id)
+    assert stream.final is not None and stream.final.finish_reason == "cancelled"
+    assert stream.tokens == 0 and all(g.aborted for g in worker.engine.generations)
+
+
+async def test_a_job_cancelled_before_its_task_first_ran_leaves_neither_engine_request_nor_job() -> None:
+    """Review: a task cancelled before its first step never runs its coroutine's ``finally``: the head start ran
+    on in the engine unread, and the job stayed in ``jobs`` (a slot lost for good)."""
+    group = FakeGroup()
+    worker = FakeWorker("w1", group)
+    await worker.assign(0)
+    req = request(max_tokens=20)
+    await worker.handle(req, 0, 0)  # START: the job and its task exist; the task has not run a step yet
+    (job,) = worker.intake.jobs.values()
+    assert job.head is not None
+    worker.intake.on_control(cancel(req.request_id))  # handled in the same turn of the loop
+    await pump(100)
+    assert job.task is not None and job.task.done()
+    assert worker.engine.generation(req.request_id).aborted
+    assert worker.intake.jobs == {} and worker.intake.capacity() == worker.engine.max_num_seqs
+
+
+async def test_a_drop_interrupted_by_a_second_cancel_still_aborts_the_engine_request() -> None:
+    """Review: a cancel landing inside ``drop()`` (an abort, then a revocation a turn later) skipped the close,
+    and every later drop was a no-op."""
+    engine = FakeEngine(auto=True)
+    head = HeadStart(engine.generate("r#1", [1, 2, 3], SamplingSpec(max_tokens=100)))
+    deltas = head.deltas()
+    await deltas.__anext__()  # the job read its first delta
+    closing = asyncio.ensure_future(deltas.aclose())  # the job's first cancel
+    await asyncio.sleep(0)
+    closing.cancel()  # the second
+    with contextlib.suppress(asyncio.CancelledError):
+        await closing
+    await pump()
+    assert head.dropped and engine.generation("r").aborted
+
+
+class _Llm:
+    """vLLM's AsyncLLM as far as ``VllmEngine.generate`` sees it: it aborts a request on CancelledError or
+    GeneratorExit."""
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    async def generate(self, prompt: object, params: object, request_id: str) -> AsyncGenerator[Any, None]:
+        try:
+            while True:
+                await asyncio.sleep(0)
+                out = type("Completion", (), {"token_ids": [7], "text": " t", "finish_reason": None})()
+                yield type("Output", (), {"outputs": [out], "finished": False, "num_cached_tokens": 0})()
+        except (asyncio.CancelledError, GeneratorExit):
+            self.aborted.append(request_id)
+            raise
+
+
+async def test_a_dropped_head_start_is_aborted_in_vllm_when_drop_returns() -> None:
+    """Review: the adapter iterated vLLM's generator without closing it, so closing ours left vLLM's request to the
+    garbage collector's asyncgen hook (a turn or more later, after the takeover's own generation could start)."""
+    llm = _Llm()
+    head = HeadStart(VllmEngine(llm, {"scheduling_policy": "fcfs"}).generate("r#1", [1, 2], SamplingSpec(max_tokens=4)))
+    await asyncio.sleep(0.01)  # its first output is in
+    await head.drop()
+    assert llm.aborted == ["r#1"]

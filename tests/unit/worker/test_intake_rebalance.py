@@ -154,7 +154,7 @@ async def test_a_final_the_client_saw_from_an_aborted_transaction_is_finalized_a
     await second.assign(0)
     await second.handle(req, 0, 0)
     await second.settle()
-    assert second.engine.generations == []  # nothing generated again
+    assert second.engine.served() == []  # nothing generated again
     (usage,) = group.usage
     assert stream.final.usage is not None
     assert (usage.prompt_tokens, usage.completion_tokens) == (stream.final.usage.prompt_tokens,

@@ -111,7 +111,7 @@ async def test_a_zombie_that_refetches_a_record_of_the_new_owner_leaves_it_alone
 
     await w1.handle(copy(req), 0, 0)  # w1 resumes: its fetch from its old position returns offset 0
     await pump()
-    assert w1.prefix.reads == 0 and w1.engine.generations == []  # left alone
+    assert w1.prefix.reads == 0 and w1.engine.served() == []  # left alone
     assert not w1.intake.accepts(P0)  # and it admits nothing more from p0 until the group tells it what it owns
     await w1.assign()  # its next heartbeat: rejoin; p0 is w2's
     w2.engine.step(req.request_id, 4)  # the rightful owner finishes and commits it
