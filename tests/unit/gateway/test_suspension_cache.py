@@ -6,6 +6,8 @@ interval. Redis is a fake (pure logic: the real one is exercised by the abuse e2
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -69,6 +71,17 @@ class FakePipeline:
         if self._redis.down:
             raise RedisConnectionError("down")
         return [self._redis.values.get(k) for k in self._keys]
+
+
+@contextlib.asynccontextmanager
+async def refreshing(redis: FakeRedis, remember_s: float) -> AsyncIterator[KeySuspensions]:
+    """Suspensions whose refresher runs for the block."""
+    s = suspensions(redis, remember_s=remember_s)
+    s.start()
+    try:
+        yield s
+    finally:
+        await s.stop()
 
 
 def suspensions(redis: FakeRedis, remember_s: float = 0.25) -> KeySuspensions:
@@ -142,9 +155,7 @@ async def test_redis_down_is_not_remembered() -> None:
 
 async def test_a_key_in_use_is_read_ahead_and_its_requests_do_not_wait_for_redis() -> None:
     redis = FakeRedis()
-    s = suspensions(redis, remember_s=0.1)
-    s.start()
-    try:
+    async with refreshing(redis, remember_s=0.1) as s:
         assert await s.reason("k1") is None and redis.gets == 1
         for _ in range(6):
             await asyncio.sleep(0.05)
@@ -152,29 +163,21 @@ async def test_a_key_in_use_is_read_ahead_and_its_requests_do_not_wait_for_redis
             assert await asyncio.wait_for(s.reason("k1"), 1) is None
             redis.gate.set()
         assert redis.gets == 1 and redis.round_trips >= 2
-    finally:
-        await s.stop()
 
 
 async def test_a_suspension_reaches_a_key_in_use_within_the_interval() -> None:
     redis = FakeRedis()
-    s = suspensions(redis, remember_s=0.1)
-    s.start()
-    try:
+    async with refreshing(redis, remember_s=0.1) as s:
         assert await s.reason("k1") is None
         redis.values[s._cache_key("k1")] = "abuse"  # the detector suspended it
         await asyncio.sleep(0.1)
         assert await s.reason("k1") == "abuse"
         assert redis.gets == 1  # the refresher's read brought it
-    finally:
-        await s.stop()
 
 
 async def test_an_answer_the_refresher_cannot_renew_is_not_used_past_the_interval() -> None:
     redis = FakeRedis()
-    s = suspensions(redis, remember_s=0.1)
-    s.start()
-    try:
+    async with refreshing(redis, remember_s=0.1) as s:
         assert await s.reason("k1") is None
         redis.down = True
         await asyncio.sleep(0.15)
@@ -182,8 +185,6 @@ async def test_an_answer_the_refresher_cannot_renew_is_not_used_past_the_interva
             await s.reason("k1")
         redis.down = False
         assert await s.reason("k1") is None
-    finally:
-        await s.stop()
 
 
 async def test_a_refresh_under_way_does_not_undo_a_suspension_made_here(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,7 +15,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from inference_workers.engine import VllmEngine
 from inference_workers.head_start import HeadStart
 from schemas.errors import RetryLater
-from schemas.events import ControlAction, ControlEvent, SamplingSpec, utcnow
+from schemas.events import ChatRequest, ControlAction, ControlEvent, SamplingSpec, utcnow
 from tests.fakes.engine import FakeEngine
 from tests.fakes.kafka import FakeGroup
 from tests.fakes.worker import FakeWorker, pump, request
@@ -26,19 +26,32 @@ def held(group: FakeGroup) -> asyncio.Event:
     return group.claims.hold
 
 
+async def owning(engine: FakeEngine | None = None) -> tuple[FakeGroup, FakeWorker]:
+    """A worker that owns partition 0."""
+    group = FakeGroup()
+    worker = FakeWorker("w1", group, engine or FakeEngine())
+    await worker.assign(0)
+    return group, worker
+
+
+async def handled_behind_a_held_claim(group: FakeGroup, worker: FakeWorker, req: ChatRequest
+                                      ) -> tuple[asyncio.Event, asyncio.Future[None]]:
+    """The request's record handled up to its claim, which waits for the returned event."""
+    claim = held(group)
+    handling = asyncio.ensure_future(worker.handle(req, 0, 0))
+    await pump()
+    return claim, handling
+
+
 def cancel(request_id: str) -> ControlEvent:
     return ControlEvent(request_id=request_id, action=ControlAction.CANCEL, reason="client_disconnected",
                         issued_by="gw/1", issued_at=utcnow(), delivered_tokens=0)
 
 
 async def test_the_engine_has_a_fresh_request_before_its_claim_is_back_and_nothing_is_emitted_before() -> None:
-    group = FakeGroup()
-    worker = FakeWorker("w1", group)
-    await worker.assign(0)
+    group, worker = await owning()
     req = request(max_tokens=5)
-    claim = held(group)
-    handling = asyncio.ensure_future(worker.handle(req, 0, 0))
-    await pump()
+    claim, handling = await handled_behind_a_held_claim(group, worker, req)
     generation = worker.engine.generation(req.request_id)
     assert generation.prompt == req.prompt_token_ids and generation.emitted  # prefilled, first token out
     assert group.log.events(req.request_id) == [] and worker.intake.jobs == {}  # nothing emitted, no job
@@ -73,18 +86,14 @@ async def test_a_head_start_streams_what_a_start_after_the_claim_streams() -> No
 
 @pytest.mark.parametrize("verdict", ["duplicate", "done", "stale"])
 async def test_a_claim_that_is_not_ours_leaves_the_engine_without_the_request(verdict: str) -> None:
-    group = FakeGroup()
-    worker = FakeWorker("w1", group, FakeEngine(auto=False))
-    await worker.assign(0)
+    group, worker = await owning(FakeEngine(auto=False))
     req = request()
     group.claims.claims[req.request_id] = {
         "duplicate": {"src": "requests:0:99", "attempt": 1, "before": 0},
         "done": {"src": "requests:0:0", "attempt": 1, "before": 0, "done": 1},
         "stale": {"src": "requests:0:0", "attempt": 99, "before": 0},
     }[verdict]
-    claim = held(group)
-    handling = asyncio.ensure_future(worker.handle(req, 0, 0))
-    await pump()
+    claim, handling = await handled_behind_a_held_claim(group, worker, req)
     assert not worker.engine.generation(req.request_id).aborted  # in the engine, waiting for its first step
     claim.set()
     await handling
@@ -103,9 +112,7 @@ async def test_a_takeover_s_head_start_is_gone_from_the_engine_before_its_own_ge
     await pump()
     await first.assign()
     await second.assign(0)  # w1's partition moves before it committed anything: nothing says "inherited"
-    claim = held(group)
-    handling = asyncio.ensure_future(second.handle(req, 0, 0))
-    await pump()
+    claim, handling = await handled_behind_a_held_claim(group, second, req)
     head = second.engine.generation(req.request_id)
     assert head.prompt == req.prompt_token_ids and not head.aborted
     claim.set()
@@ -121,14 +128,10 @@ async def test_a_takeover_s_head_start_is_gone_from_the_engine_before_its_own_ge
 
 
 async def test_a_claim_redis_cannot_answer_leaves_the_engine_without_the_request() -> None:
-    group = FakeGroup()
-    worker = FakeWorker("w1", group, FakeEngine(auto=False))
-    await worker.assign(0)
+    group, worker = await owning(FakeEngine(auto=False))
     req = request()
-    claim = held(group)
     group.claims.fail_with = RedisConnectionError("Redis restarting")
-    handling = asyncio.ensure_future(worker.handle(req, 0, 0))
-    await pump()
+    claim, handling = await handled_behind_a_held_claim(group, worker, req)
     claim.set()
     with pytest.raises(RetryLater):
         await handling
@@ -141,9 +144,7 @@ async def test_a_claim_redis_cannot_answer_leaves_the_engine_without_the_request
 
 
 async def test_a_request_cancelled_in_the_backlog_gets_no_head_start() -> None:
-    group = FakeGroup()
-    worker = FakeWorker("w1", group, FakeEngine(auto=False))
-    await worker.assign(0)
+    group, worker = await owning(FakeEngine(auto=False))
     req = request()
     worker.intake.on_control(cancel(req.request_id))
     await worker.handle(req, 0, 0)
@@ -154,9 +155,7 @@ async def test_a_request_cancelled_in_the_backlog_gets_no_head_start() -> None:
 
 
 async def test_a_job_aborted_before_it_reads_its_head_start_leaves_the_engine_without_it() -> None:
-    group = FakeGroup()
-    worker = FakeWorker("w1", group, FakeEngine(auto=False))
-    await worker.assign(0)
+    _, worker = await owning(FakeEngine(auto=False))
     req = request()
     await worker.handle(req, 0, 0)
     (job,) = worker.intake.jobs.values()
@@ -168,14 +167,10 @@ async def test_a_job_aborted_before_it_reads_its_head_start_leaves_the_engine_wi
 
 
 async def test_an_engine_that_refuses_a_head_start_fails_the_request_as_it_would_without_one() -> None:
-    group = FakeGroup()
-    worker = FakeWorker("w1", group)
+    group, worker = await owning()
     worker.engine.fail_with = ValueError("prompt too long")
-    await worker.assign(0)
     req = request()
-    claim = held(group)
-    handling = asyncio.ensure_future(worker.handle(req, 0, 0))
-    await pump()
+    claim, handling = await handled_behind_a_held_claim(group, worker, req)
     claim.set()
     await handling
     await worker.settle()
@@ -187,13 +182,9 @@ async def test_an_engine_that_refuses_a_head_start_fails_the_request_as_it_would
 async def test_a_cancel_that_arrives_while_the_claim_is_under_way_is_honoured() -> None:
     """Review: the backlog's cancels were read before the claim, and one arriving during it was lost (the request
     was generated and billed in full for a client that had hung up)."""
-    group = FakeGroup()
-    worker = FakeWorker("w1", group)
-    await worker.assign(0)
+    group, worker = await owning()
     req = request(max_tokens=50)
-    claim = held(group)
-    handling = asyncio.ensure_future(worker.handle(req, 0, 0))
-    await pump()
+    claim, handling = await handled_behind_a_held_claim(group, worker, req)
     worker.intake.on_control(cancel(req.request_id))  # the client hangs up while the claim is on its way
     claim.set()
     await handling
@@ -206,9 +197,7 @@ async def test_a_cancel_that_arrives_while_the_claim_is_under_way_is_honoured() 
 async def test_a_job_cancelled_before_its_task_first_ran_leaves_neither_engine_request_nor_job() -> None:
     """Review: a task cancelled before its first step never runs its coroutine's ``finally``: the head start ran
     on in the engine unread, and the job stayed in ``jobs`` (a slot lost for good)."""
-    group = FakeGroup()
-    worker = FakeWorker("w1", group)
-    await worker.assign(0)
+    _, worker = await owning()
     req = request(max_tokens=20)
     await worker.handle(req, 0, 0)  # START: the job and its task exist; the task has not run a step yet
     (job,) = worker.intake.jobs.values()
