@@ -78,9 +78,10 @@ def _assign_topic(topic: str, numbers: list[int], subscribed: list[str], members
     return result
 
 
-def encode_member(owned: Iterable[TopicPartition], load: Mapping[TopicPartition, int]) -> bytes:
+def encode_member(owned: Iterable[TopicPartition], load: Mapping[TopicPartition, int], disowned: int = 0) -> bytes:
     return json.dumps({"v": 1, "owned": [[tp.topic, tp.partition] for tp in sorted(owned)],
-                       "load": [[tp.topic, tp.partition, n] for tp, n in sorted(load.items()) if n]}).encode()
+                       "load": [[tp.topic, tp.partition, n] for tp, n in sorted(load.items()) if n],
+                       **({"disowned": disowned} if disowned else {})}).encode()
 
 
 def decode_member(topics: Iterable[str], user_data: bytes) -> Member:
@@ -104,10 +105,13 @@ class StickyLoadAssignor(AbstractPartitionAssignor):
     def __init__(self, load: Load) -> None:
         self._load = load
         self._owned: list[TopicPartition] = []
+        #: how often this member gave partitions up (``disown``): part of its metadata, which it changes
+        self._disowned = 0
 
     def metadata(self, topics: Iterable[str]) -> ConsumerProtocolMemberMetadata:
         load = {tp: n for tp, n in self._load().items() if tp in set(self._owned)}
-        return ConsumerProtocolMemberMetadata(self.version, sorted(topics), encode_member(self._owned, load))
+        return ConsumerProtocolMemberMetadata(self.version, sorted(topics),
+                                              encode_member(self._owned, load, self._disowned))
 
     def assign(self, cluster: ClusterMetadata,
                members: Mapping[str, ConsumerProtocolMemberMetadata]) -> dict[str, ConsumerProtocolMemberAssignment]:
@@ -123,6 +127,15 @@ class StickyLoadAssignor(AbstractPartitionAssignor):
     def forget(self) -> None:
         """This member was expelled: what it owned is another member's now; it claims nothing at the next join."""
         self._owned = []
+
+    def disown(self, partitions: Iterable[TopicPartition]) -> None:
+        """This member dropped ``partitions`` (fenced on them) while still in the group: it claims them no more,
+        and its next join's metadata differs from its last. That is what makes the join a rebalance: Kafka's
+        coordinator answers a follower that rejoins with unchanged metadata with the current generation, and the
+        partitions would come back under the generation that already numbered their requests' attempts."""
+        gone = set(partitions)
+        self._owned = [tp for tp in self._owned if tp not in gone]
+        self._disowned += 1
 
 
 def _by_topic(tps: Iterable[TopicPartition]) -> list[tuple[str, list[int]]]:

@@ -78,6 +78,8 @@ class Finished:
     committed: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     #: the completion to record (``store: true``, or a turn), written in the same transaction as the final
     stored: StoredCompletion | None = None
+    #: the partition's producer when the request was handed over: its ownership, the only one it commits under
+    owner: AIOKafkaProducer | None = None
 
     def without_text(self, reason: str) -> Finished:
         """The same outcome, recorded without its text: what remains when the full final cannot be written. The
@@ -99,7 +101,7 @@ class Finished:
             "usage": self.stored.usage.model_copy(update={"completion_tokens": self.stored.usage.completion_tokens
                                                                               - dropped})})
         return Finished(final, record, self.reply_partition, self.source, self.offset, self.traceparent, None,
-                        self.committed, stored=stored)
+                        self.committed, stored=stored, owner=self.owner)
 
 
 _STOP = object()
@@ -145,6 +147,7 @@ class Finalizer:
 
     async def finish(self, item: Finished) -> None:
         """Queue a finished request and wait until its transaction has committed (raises PartitionLost)."""
+        item.owner = self._transactions.producer(item.source)
         self._queue.put_nowait(item)
         await asyncio.shield(item.committed)
 
@@ -209,17 +212,20 @@ class Finalizer:
     async def _commit_partition(self, tp: TopicPartition, items: list[Finished]) -> None:
         delay = 0.1
         isolated = False
-        owner: AIOKafkaProducer | None = None
+        owner = self._transactions.producer(tp)
+        # Queued before the partition was lost (and maybe regained since): the new ownership takes them over from
+        # its committed offset, so they must not commit beside it.
+        _fail([i for i in items if i.owner is not owner], _moved(tp))
+        items = [i for i in items if i.owner is owner]
         while True:
-            producer = self._transactions.producer(tp)
-            if producer is None or (owner is not None and producer is not owner):
+            if owner is None or self._transactions.producer(tp) is not owner:
                 # Gone, or lost and regained while this retry slept: the records are the new ownership's to take.
-                return _fail(items, PartitionLost(f"partition {tp.partition} is no longer this worker's"))
+                return _fail(items, _moved(tp))
+            producer: AIOKafkaProducer = owner
             if _fenced(producer):
                 # Fenced by an earlier commit whose partition-lost handler runs already (and has not released the
                 # producer yet): aiokafka would refuse a new transaction on it with an AssertionError.
                 return _fail(items, PartitionLost(f"partition {tp.partition} moved to another worker"))
-            owner = producer
             try:
                 await self._commit(producer, tp, items)
             except ProducerFenced:
@@ -383,6 +389,10 @@ def _recorded_failure(producer: AIOKafkaProducer) -> BaseException | None:
 def _fenced(producer: AIOKafkaProducer) -> bool:
     """The producer was fenced (a newer owner took its transactional id over): it can begin no transaction."""
     return producer._txn_manager.is_fatal_error() and isinstance(_recorded_failure(producer), ProducerFenced)
+
+
+def _moved(tp: TopicPartition) -> PartitionLost:
+    return PartitionLost(f"partition {tp.partition} is no longer this worker's")
 
 
 def _fail(items: list[Finished], exc: Exception) -> None:

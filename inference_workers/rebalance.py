@@ -18,6 +18,7 @@ NOTE: aiokafka does not heartbeat while ``on_partitions_assigned`` runs: everyth
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 
@@ -38,12 +39,15 @@ Seek = Callable[[TopicPartition, int], None]
 #: the consumer's group generation now; ``EXPELLED`` after the coordinator stopped recognising the member
 Generation = Callable[[], int]
 EXPELLED = -1
+#: rejoin the group claiming none of these partitions any more (``StickyLoadAssignor.disown``, then a rejoin)
+RejoinWithout = Callable[[set[TopicPartition]], None]
 
 
 class RequestRebalanceListener(ConsumerRebalanceListener):
     def __init__(self, intake: Intake, finalizer: FinalizerT, offsets: OffsetTracker,
                  transactions: PartitionTransactions, read_committed: ReadCommitted, seek: Seek,
                  generation: Generation, *, on_expelled: Callable[[], None] = lambda: None,
+                 rejoin_without: RejoinWithout = lambda partitions: None, membership_check_s: float = 2.0,
                  flush_timeout_s: float = 3.0) -> None:
         self._intake = intake
         self._finalizer = finalizer
@@ -53,6 +57,12 @@ class RequestRebalanceListener(ConsumerRebalanceListener):
         self._seek = seek
         self._generation = generation
         self._on_expelled = on_expelled
+        self._rejoin_without = rejoin_without
+        self._membership_check_s = membership_check_s
+        #: fenced partitions to rejoin without once this worker knows it is still a member (``_rejoin_soon``):
+        #: the generation each was lost in, and when
+        self._fenced: dict[TopicPartition, tuple[int, float]] = {}
+        self._rejoining: asyncio.Task[None] | None = None
         self._flush_timeout_s = flush_timeout_s
         intake.on_stale = self.partition_lost
 
@@ -114,15 +124,53 @@ class RequestRebalanceListener(ConsumerRebalanceListener):
 
     async def partition_lost(self, tp: TopicPartition) -> None:
         """A commit found this worker fenced on ``tp``: another worker owns it now (this one missed the
-        rebalance, e.g. a stall longer than the session timeout). Stop its requests; the group will tell us."""
+        rebalance, e.g. a stall longer than the session timeout), or the coordinator aborted a transaction that
+        outlived ``transaction.timeout.ms`` and bumped the producer's epoch. Stop its requests; then, when this
+        worker is still a member of the same generation, rejoin without it (``_rejoin_soon``)."""
         async with self._intake.admission:
-            if tp in self._transactions.owned():
-                log.warning("partition lost to another worker", extra={"partition": tp.partition})
-                WORKER_REBALANCES.labels(outcome="lost").inc()
-                self._intake.suspend([tp])
-                await self._intake.abort_partitions([tp], "revoked")
-                self._offsets.revoke([tp])
-                await self._transactions.release(tp)
+            if tp not in self._transactions.owned():
+                return
+            log.warning("fenced on a partition: dropping it", extra={"partition": tp.partition})
+            WORKER_REBALANCES.labels(outcome="lost").inc()
+            self._intake.suspend([tp])
+            await self._intake.abort_partitions([tp], "revoked")
+            self._offsets.revoke([tp])
+            await self._transactions.release(tp)
+            self._rejoin_soon(tp, self._generation())
+
+    def _rejoin_soon(self, tp: TopicPartition, generation: int) -> None:
+        """After a fencing with no new owner (a timed-out transaction) the group still assigns the partition
+        here, and nothing else would rebalance it: served by nobody. So the worker rejoins, claiming the partition
+        no more, and the assignment gives it back as gained (a new producer, its committed state read, its requests
+        taken over under a newer attempt) or to another member. Not at once: an expelled worker (a stall past the
+        session timeout) learns so from its next heartbeats and must rejoin as expelled, claiming nothing; and one
+        rejoin serves every partition fenced meanwhile. Nothing is done for a partition when a rebalance came in
+        between (it settled the partition), nor for one this worker serves again."""
+        self._fenced[tp] = (generation, asyncio.get_running_loop().time())
+        if self._rejoining is None or self._rejoining.done():
+            self._rejoining = asyncio.create_task(self._rejoin_while_still_member(), name="rejoin-fenced")
+
+    async def _rejoin_while_still_member(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._fenced:
+            oldest = min(at for _, at in self._fenced.values())
+            await asyncio.sleep(max(0.0, oldest + self._membership_check_s - loop.time()))
+            now, generation, owned = loop.time(), self._generation(), self._transactions.owned()
+            ripe = {tp: lost_in for tp, (lost_in, at) in self._fenced.items()
+                    if at + self._membership_check_s <= now}
+            for tp in ripe:
+                del self._fenced[tp]
+            due = {tp for tp, lost_in in ripe.items()
+                   if lost_in == generation != EXPELLED and tp not in owned}
+            if due:
+                log.warning("rejoining the group without fenced partitions", extra={"partitions": _numbers(due)})
+                self._rejoin_without(due)
+
+    def stop(self) -> None:
+        """The worker is stopping: no rebalance for partitions it drops now (it leaves the group anyway)."""
+        if self._rejoining is not None:
+            self._rejoining.cancel()
+        self._fenced.clear()
 
 
 def _numbers(partitions: Iterable[TopicPartition]) -> list[int]:

@@ -64,6 +64,13 @@ def group_generation(consumer: AIOKafkaConsumer) -> int:
     return int(consumer._coordinator.generation)
 
 
+def rejoin_without(consumer: AIOKafkaConsumer, assignor: StickyLoadAssignor, partitions: set[TopicPartition]
+                   ) -> None:
+    """Rejoin the group (at once, not at the next heartbeat) claiming ``partitions`` no more."""
+    assignor.disown(partitions)
+    consumer._coordinator.request_rejoin()
+
+
 class Worker:
     def __init__(self, settings: Settings, engine: EngineClient) -> None:
         self.settings = settings
@@ -157,7 +164,9 @@ class Worker:
                                      assignors=[assignor])
             listener = RequestRebalanceListener(intake, finalizer, offsets, transactions,
                                                 partial(committed_states, consumer), consumer.seek,
-                                                partial(group_generation, consumer), on_expelled=assignor.forget)
+                                                partial(group_generation, consumer), on_expelled=assignor.forget,
+                                                rejoin_without=partial(rejoin_without, consumer, assignor),
+                                                membership_check_s=2 * kafka.heartbeat_interval_ms / 1000)
             finalizer.set_partition_lost(listener.partition_lost)
             self._listener = listener
             consumer.subscribe(list(queues), listener=listener)
@@ -192,6 +201,7 @@ class Worker:
             finally:
                 # 1. Stop taking requests. 2. Let running ones finish (bounded). 3. Commit. 4. Leave.
                 consumer_stop.set()
+                listener.stop()
                 await asyncio.gather(self._consumer_task, return_exceptions=True)
                 presence_loop.cancel()
                 depth_loop.cancel()

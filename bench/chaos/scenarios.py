@@ -166,6 +166,27 @@ class FinalizeCrash(Base):
 
 
 @dataclass
+class CommitTimeout(Base):
+    name: str = "commit-timeout"
+    summary: str = ("a worker stalls inside a commit past its transaction timeout, not its session timeout: the "
+                    "coordinator aborts the transaction and fences the producer, no other worker owns the partitions")
+    stall_s: float = 3.5
+    transaction_timeout_ms: int = 1000
+
+    def knobs(self, knobs: Knobs) -> Knobs:
+        extra = {**knobs.extra, "KNS_KAFKA__TRANSACTION_TIMEOUT_MS": str(self.transaction_timeout_ms)}
+        # No liveness lease: its peer would evict the stalled worker after 1 s, and the scenario would be an
+        # expulsion (kill-worker's) instead of a member fenced while the group still assigns it its partitions.
+        return Knobs(**{**knobs.__dict__, "extra": extra, "liveness_ttl_s": 0.0})
+
+    async def inject(self, env: ChaosEnv, load: Load, say: Say) -> None:
+        env.arm("finalize.before_commit", f"sleep {self.stall_s}")
+        say(f"armed: the first commit stalls the worker for {self.stall_s:g} s inside its transaction "
+            f"(timeout {self.transaction_timeout_ms} ms, session timeout {env.knobs.session_timeout_ms} ms)")
+        await _until(load, self.fault_at_s)
+
+
+@dataclass
 class TimeoutStorm(Base):
     name: str = "timeout-storm"
     summary: str = "every worker stopped: requests time out at the gateway; workers come back"
@@ -249,5 +270,5 @@ class KillWriter(Base):
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     KillWorker(), RollWorkers(), AddWorker(), RestartBroker(), StopCassandra(), RestartRedis(), FinalizeCrash(),
-    TimeoutStorm(), KillGateway(), RollGateways(), KillWriter(),
+    CommitTimeout(), TimeoutStorm(), KillGateway(), RollGateways(), KillWriter(),
 )}

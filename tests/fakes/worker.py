@@ -58,6 +58,8 @@ class FakeWorker:
         self.seeks: list[tuple[TopicPartition, int]] = []
         #: the generation this worker's consumer is in (-1: expelled); None before it joined
         self.generation: int | None = None
+        #: the partitions of each rejoin the listener asked for (``rejoin_without``)
+        self.rejoins: list[set[TopicPartition]] = []
 
         async def read_committed(partitions: set[TopicPartition]):  # type: ignore[no-untyped-def]
             return self.group.read_committed(partitions)
@@ -65,6 +67,7 @@ class FakeWorker:
         self.listener = RequestRebalanceListener(self.intake, self.finalizer, self.offsets, self.transactions,
                                                  read_committed, lambda tp, offset: self.seeks.append((tp, offset)),
                                                  lambda: -1 if self.generation is None else self.generation,
+                                                 rejoin_without=self.rejoins.append, membership_check_s=0,
                                                  flush_timeout_s=0.1)
 
     async def assign(self, *partitions: int) -> None:

@@ -94,3 +94,11 @@ async def test_kill_the_conversation_writer(stack: Settings) -> None:
     table = await chaos(stack, "kill-writer")
     # every stream completed, and each conversation holds its turn once (goals_met checks the items)
     assert table.completed == table.sent and table.turns_checked == table.sent
+
+
+async def test_a_commit_stalled_past_its_transaction_timeout(stack: Settings) -> None:
+    """Ninth session: the coordinator aborts the stalled transaction and fences the producer while the group still
+    assigns the partitions to the stalled worker; before the worker rejoined the group on a fencing, the partitions
+    it dropped were served by nobody (6 of 32 streams timed out, chaos-commit-timeout-20261126T230752.json)."""
+    table = await chaos(stack, "commit-timeout")
+    assert table.completed == table.sent and table.taken_over > 0

@@ -278,3 +278,60 @@ async def test_a_reopen_below_the_committed_offset_is_ignored() -> None:
     offsets.taken(P0, 8)
     offsets.done(P0, 8)
     assert offsets.committable([P0]), "offset 8 finished, yet nothing is committable"
+
+
+class HeldCommit(TxnProducerStub):
+    """A partition's producer whose first transaction waits until ``release`` is set, then fails with a transient
+    error (its broker went away meanwhile); counts the transactions begun on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attempts = 0
+        self.holding = asyncio.Event()
+        self.release = asyncio.Event()
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[None]:
+        self.attempts += 1
+        if self.attempts == 1:
+            self.holding.set()
+            await self.release.wait()
+            raise KafkaConnectionError("the broker went away")
+        yield
+
+
+async def test_a_request_queued_before_its_partition_was_lost_and_regained_is_not_committed_by_the_new_owner(
+) -> None:
+    """Ninth session (left open since the seventh): the finalizer stamped no ownership on what it queued. A request
+    finished while the commit loop was busy with another stayed queued while its partition was lost and regained
+    (rebalance.py's release, then a gain: a new producer, the offsets restored from the broker, the request to be
+    taken over from its committed offset); the loop then committed it on the new producer: its final and usage
+    beside the new ownership's takeover of the same request (two finals, billed twice)."""
+    offsets = OffsetTracker()
+    offsets.restore(P0, CommittedState(0, 0, frozenset()))
+    offsets.taken(P0, 0)
+    offsets.taken(P0, 1)
+    old = HeldCommit()
+    transactions = OneProducer(old)
+    finalizer = Finalizer(transactions, token_topic="tokens", usage_topic="usage",  # type: ignore[arg-type]
+                          group_id="g", offsets=offsets, claims=FakeClaims(), batch_max=8, give_up_s=60)
+    loop = asyncio.create_task(finalizer.run())
+    busy, queued = _finished(2, billed=True), _finished(3, billed=True)
+    queued.offset = 1
+    committing = asyncio.ensure_future(finalizer.finish(busy))
+    await asyncio.wait_for(old.holding.wait(), 5)
+    waiting = asyncio.ensure_future(finalizer.finish(queued))
+    await asyncio.sleep(0)
+    offsets.revoke([P0])  # lost ...
+    new = transactions.current = HeldCommit()
+    new.attempts = 1  # ... and regained: the new producer commits at once
+    offsets.restore(P0, CommittedState(0, 0, frozenset()))
+    old.release.set()
+    for item in (committing, waiting):
+        with contextlib.suppress(PartitionLost):
+            await asyncio.wait_for(item, 5)
+    assert new.attempts == 1, "a request of the previous ownership was committed on the new producer"
+    assert isinstance(queued.committed.exception(), PartitionLost)
+    assert offsets.resume_at(P0) == 0
+    await finalizer.stop()
+    await loop

@@ -4,9 +4,12 @@ test failed on the first version of the rebalance code for the reason in its doc
 
 from __future__ import annotations
 
-from aiokafka import TopicPartition
+import asyncio
 
-from inference_workers.assignor import Member, assign
+from aiokafka import TopicPartition
+from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment
+
+from inference_workers.assignor import Member, StickyLoadAssignor, assign, decode_member
 from schemas.events import ChatRequest
 from tests.fakes.engine import FakeEngine
 from tests.fakes.kafka import FakeGroup
@@ -120,3 +123,144 @@ async def test_a_zombie_that_refetches_a_record_of_the_new_owner_leaves_it_alone
     _, stream = group.log.client_view(req.request_id)
     assert stream.final is not None and stream.error is None and stream.tokens == 6
     assert [u.completion_tokens for u in group.usage] == [6]
+
+
+async def test_a_partition_fenced_while_still_assigned_to_this_worker_is_served_again() -> None:
+    """Ninth session (left open since the seventh). A fencing also comes without another owner: a transaction
+    that outlives ``transaction.timeout.ms`` (a stall mid-commit) is aborted by the coordinator, which bumps the
+    producer's epoch, and the next commit is refused as fenced. ``partition_lost`` then dropped the partition and
+    waited for "the group to tell us", but the group still assigned it to this worker and nothing rebalanced: no
+    record of p0 was admitted until some unrelated membership change. The worker now rejoins without it; the
+    request it was streaming is taken over under a newer attempt (one sample, not a splice of two)."""
+    group = FakeGroup()
+    w1 = make("w1", group, FakeEngine(auto=False))
+    await w1.assign(0)
+    req = request(max_tokens=6, temperature=0.8)  # sampled, no seed: a second generation would differ
+    await w1.handle(req, 0, 0)
+    w1.engine.step(req.request_id, 2)
+    await pump()
+    group.txn_owner[P0] = "the coordinator (transaction timed out)"
+    await w1.listener.partition_lost(P0)
+    await pump()
+    assert w1.rejoins == [{P0}], "the partition stays assigned to this worker, and nobody serves it"
+    await w1.assign(0)  # the rebalance the rejoin brings: p0 comes back and is taken over
+    assert group.txn_owner[P0] == "w1"
+    await w1.handle(copy(req), 0, 0)  # re-fetched from the committed offset
+    await pump()
+    job = w1.intake.jobs[req.request_id]
+    assert job.takeover and job.attempt > 1
+    w1.engine.step(req.request_id, 4)
+    await w1.settle()
+    _, stream = group.log.client_view(req.request_id)
+    assert stream.final is not None and stream.error is None and stream.tokens == 6
+    assert w1.rejoins == [{P0}], "the takeover judged its own earlier attempt a newer owner and dropped p0 again"
+    later = request()
+    await w1.handle(later, 0, 1)
+    await pump()
+    assert any(g.request_id.startswith(later.request_id) for g in w1.engine.generations)
+
+
+async def test_a_partition_lost_after_it_was_released_asks_for_no_rebalance() -> None:
+    """The handler runs late (it waits for the admission lock): when a rebalance has already taken the partition
+    away, there is nothing to serve and no reason to rebalance the group again."""
+    group = FakeGroup()
+    w1 = make("w1", group, FakeEngine(auto=False))
+    await w1.assign(0)
+    await w1.assign()
+    await w1.listener.partition_lost(P0)
+    await pump()
+    assert w1.rejoins == []
+
+
+async def test_an_expelled_worker_fenced_on_a_partition_leaves_the_rejoin_to_its_consumer() -> None:
+    """Review of the rejoin: a worker stalled past the session timeout was expelled, and its fenced commit may run
+    before its heartbeat says so. A rejoin asked then would revoke its partitions as kept, not as expelled (its
+    assignor still claiming them all). It waits for the heartbeat's verdict: expelled, or a rebalance since, and
+    it leaves the rejoin to the consumer."""
+    for change in ("expelled", "rebalanced"):
+        group = FakeGroup()
+        w1 = make("w1", group, FakeEngine(auto=False))
+        await w1.assign(0)
+        group.txn_owner[P0] = "w2"
+        await w1.listener.partition_lost(P0)
+        w1.generation = -1 if change == "expelled" else w1.generation + 1  # before the membership check
+        await pump()
+        assert w1.rejoins == [], change
+
+
+async def test_partitions_fenced_together_are_given_up_in_one_rejoin() -> None:
+    """Review of the rejoin: a stalled commit fences every partition of the worker at once; one rebalance, not
+    one per partition (each is a group-wide eager rebalance)."""
+    group = FakeGroup()
+    w1 = make("w1", group, FakeEngine(auto=False))
+    await w1.assign(0, 1)
+    p1 = TopicPartition(TOPIC, 1)
+    group.txn_owner[P0] = group.txn_owner[p1] = "the coordinator (transaction timed out)"
+    await asyncio.gather(w1.listener.partition_lost(P0), w1.listener.partition_lost(p1))
+    await pump()
+    assert w1.rejoins == [{P0, p1}]
+
+
+def test_a_member_that_gives_partitions_up_joins_with_other_metadata() -> None:
+    """Review of the rejoin: Kafka's coordinator answers a follower that rejoins with unchanged metadata with the
+    current generation (no rebalance). Its partitions came back under the generation that had numbered their
+    requests' attempts: a takeover saw its own earlier attempt as a newer owner (dropped the partition again, for
+    ever), or a request not yet committed as open was generated again from token 0 under the same attempt and its
+    client got two samples spliced. The metadata now changes, so the rejoin is a rebalance: a new generation."""
+    p1 = TopicPartition(TOPIC, 1)
+    assignor = StickyLoadAssignor(lambda: {P0: 1, p1: 1})
+    assignor.on_assignment(ConsumerProtocolMemberAssignment(0, [(TOPIC, [0, 1])], b""))
+    before = assignor.metadata([TOPIC])
+    assignor.disown({P0})
+    after = assignor.metadata([TOPIC])
+    assert after.user_data != before.user_data
+    assert decode_member([TOPIC], after.user_data).owned == {p1}
+    assignor.on_assignment(ConsumerProtocolMemberAssignment(0, [(TOPIC, [0, 1])], b""))  # given back: same owned
+    assert assignor.metadata([TOPIC]).user_data != before.user_data, "the same metadata as the join before"
+
+
+async def test_a_partition_fenced_after_a_rebalance_while_an_older_check_waits_is_given_up() -> None:
+    """Second review of the rejoin: P0 fenced in generation G started the membership check; a rebalance (G+1)
+    gave P0 back; P1 fenced in G+1 joined the waiting check, which woke, saw G+1 != G and dropped both: P1 stayed
+    assigned to this worker, which no longer served it."""
+    group = FakeGroup()
+    w1 = make("w1", group, FakeEngine(auto=False))
+    w1.listener._membership_check_s = 0.2
+    await w1.assign(0, 1)
+    await w1.listener.partition_lost(P0)
+    await w1.assign(0, 1)  # an unrelated rebalance: P0 regained
+    p1 = TopicPartition(TOPIC, 1)
+    await w1.listener.partition_lost(p1)
+    await asyncio.sleep(0.5)
+    assert w1.rejoins == [{p1}]
+
+
+async def test_a_partition_regained_in_the_generation_it_was_lost_in_is_not_given_up() -> None:
+    """Second review of the rejoin: aiokafka takes the new generation from the JoinGroup answer, before SyncGroup
+    and the assignment. A fencing handled in between reads the new generation; the assignment then gives the
+    partition back (the join still claimed it), and the check gave it up all the same: another group-wide
+    rebalance, which may move a partition being served."""
+    group = FakeGroup()
+    w1 = make("w1", group, FakeEngine(auto=False))
+    w1.listener._membership_check_s = 0.2
+    await w1.assign(0)
+    await w1.listener.on_partitions_revoked(w1.transactions.owned())  # a rebalance starts
+    group.generation += 1
+    w1.generation = group.generation  # JoinGroup answered
+    await w1.listener.partition_lost(P0)
+    await w1.listener.on_partitions_assigned({P0})  # SyncGroup: P0 back, gained
+    await asyncio.sleep(0.5)
+    assert w1.rejoins == []
+
+
+async def test_a_stopping_worker_asks_for_no_rebalance() -> None:
+    """Second review of the rejoin: a check that fired while the worker drained rebalanced the group on its way
+    out (partitions handed to a member that no longer consumes)."""
+    group = FakeGroup()
+    w1 = make("w1", group, FakeEngine(auto=False))
+    w1.listener._membership_check_s = 0.2
+    await w1.assign(0)
+    await w1.listener.partition_lost(P0)
+    w1.listener.stop()
+    await asyncio.sleep(0.5)
+    assert w1.rejoins == []
