@@ -4,6 +4,8 @@ registry (as the gateway policies of SGLang are laid out)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -187,6 +189,25 @@ class CommitTimeout(Base):
 
 
 @dataclass
+class StallWorker(Base):
+    name: str = "stall-worker"
+    summary: str = ("SIGSTOP a worker past its session timeout (a VM freeze, a swap storm), then SIGCONT: its peer "
+                    "takes its partitions over while it sleeps; woken, it finds itself fenced and expelled")
+    stall_s: float = 10.0
+
+    async def inject(self, env: ChaosEnv, load: Load, say: Say) -> None:
+        await _until(load, self.fault_at_s)
+        pid = env.service_pid(env.workers[0])
+        os.kill(pid, signal.SIGSTOP)
+        say(f"worker 0 (pid {pid}) stopped at {load.now():.1f} s")
+        try:
+            await asyncio.sleep(self.stall_s)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        say(f"worker 0 continued at {load.now():.1f} s")
+
+
+@dataclass
 class TimeoutStorm(Base):
     name: str = "timeout-storm"
     summary: str = "every worker stopped: requests time out at the gateway; workers come back"
@@ -270,5 +291,5 @@ class KillWriter(Base):
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     KillWorker(), RollWorkers(), AddWorker(), RestartBroker(), StopCassandra(), RestartRedis(), FinalizeCrash(),
-    CommitTimeout(), TimeoutStorm(), KillGateway(), RollGateways(), KillWriter(),
+    CommitTimeout(), StallWorker(), TimeoutStorm(), KillGateway(), RollGateways(), KillWriter(),
 )}

@@ -102,3 +102,11 @@ async def test_a_commit_stalled_past_its_transaction_timeout(stack: Settings) ->
     it dropped were served by nobody (6 of 32 streams timed out, chaos-commit-timeout-20261126T230752.json)."""
     table = await chaos(stack, "commit-timeout")
     assert table.completed == table.sent and table.taken_over > 0
+
+
+async def test_a_worker_stopped_past_its_session_timeout(stack: Settings) -> None:
+    """Ninth session: a frozen worker (SIGSTOP, 10 s) is evicted by its peer, which takes its requests over; woken,
+    the zombie learns from its heartbeat that it was expelled, drops everything, and its commits are fenced. What
+    it generated after waking reaches nobody (``tokens_generated_twice`` counts it) and is billed to nobody."""
+    table = await chaos(stack, "stall-worker")
+    assert table.completed == table.sent and table.taken_over > 0
