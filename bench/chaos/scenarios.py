@@ -197,14 +197,30 @@ class StallWorker(Base):
 
     async def inject(self, env: ChaosEnv, load: Load, say: Say) -> None:
         await _until(load, self.fault_at_s)
-        pid = env.service_pid(env.workers[0])
-        os.kill(pid, signal.SIGSTOP)
-        say(f"worker 0 (pid {pid}) stopped at {load.now():.1f} s")
-        try:
-            await asyncio.sleep(self.stall_s)
-        finally:
-            os.kill(pid, signal.SIGCONT)
-        say(f"worker 0 continued at {load.now():.1f} s")
+        await _stall(env.service_pid(env.workers[0]), self.stall_s, "worker 0", load, say)
+
+
+@dataclass
+class StallGateway(Base):
+    name: str = "stall-gateway"
+    summary: str = ("SIGSTOP one of two gateways past its reply lease (a VM freeze), then SIGCONT: its streams wait, "
+                    "nothing of theirs is cancelled, lost or billed twice")
+    gateways: int = 2
+    stall_s: float = 20.0
+
+    async def inject(self, env: ChaosEnv, load: Load, say: Say) -> None:
+        await _until(load, self.fault_at_s)
+        await _stall(env.service_pid(env.gateways[0]), self.stall_s, "gateway 0", load, say)
+
+
+async def _stall(pid: int, seconds: float, who: str, load: Load, say: Say) -> None:
+    os.kill(pid, signal.SIGSTOP)
+    say(f"{who} (pid {pid}) stopped at {load.now():.1f} s")
+    try:
+        await asyncio.sleep(seconds)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    say(f"{who} continued at {load.now():.1f} s")
 
 
 @dataclass
@@ -291,5 +307,5 @@ class KillWriter(Base):
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     KillWorker(), RollWorkers(), AddWorker(), RestartBroker(), StopCassandra(), RestartRedis(), FinalizeCrash(),
-    CommitTimeout(), StallWorker(), TimeoutStorm(), KillGateway(), RollGateways(), KillWriter(),
+    CommitTimeout(), StallWorker(), StallGateway(), TimeoutStorm(), KillGateway(), RollGateways(), KillWriter(),
 )}

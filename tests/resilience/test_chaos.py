@@ -110,3 +110,11 @@ async def test_a_worker_stopped_past_its_session_timeout(stack: Settings) -> Non
     it generated after waking reaches nobody (``tokens_generated_twice`` counts it) and is billed to nobody."""
     table = await chaos(stack, "stall-worker")
     assert table.completed == table.sent and table.taken_over > 0
+
+
+async def test_a_gateway_stopped_past_its_reply_lease(stack: Settings) -> None:
+    """Ninth session: a frozen gateway (SIGSTOP, 20 s: its reply lease lapses, its liveness key too) holds its
+    streams; woken, it renews and relays what waited in its reply partition. Nothing is cancelled as unattended
+    (that grace is longer), lost or billed twice."""
+    table = await chaos(stack, "stall-gateway")
+    assert table.completed == table.sent
