@@ -41,14 +41,20 @@ Generation = Callable[[], int]
 EXPELLED = -1
 #: rejoin the group claiming none of these partitions any more (``StickyLoadAssignor.disown``, then a rejoin)
 RejoinWithout = Callable[[set[TopicPartition]], None]
+#: whether the group coordinator still counts this worker a member of the given generation (asked now)
+StillMember = Callable[[int], Awaitable[bool]]
+
+
+async def _always_member(generation: int) -> bool:
+    return True
 
 
 class RequestRebalanceListener(ConsumerRebalanceListener):
     def __init__(self, intake: Intake, finalizer: FinalizerT, offsets: OffsetTracker,
                  transactions: PartitionTransactions, read_committed: ReadCommitted, seek: Seek,
                  generation: Generation, *, on_expelled: Callable[[], None] = lambda: None,
-                 rejoin_without: RejoinWithout = lambda partitions: None, membership_check_s: float = 2.0,
-                 flush_timeout_s: float = 3.0) -> None:
+                 rejoin_without: RejoinWithout = lambda partitions: None, still_member: StillMember = _always_member,
+                 membership_check_s: float = 1.0, flush_timeout_s: float = 3.0) -> None:
         self._intake = intake
         self._finalizer = finalizer
         self._offsets = offsets
@@ -58,10 +64,11 @@ class RequestRebalanceListener(ConsumerRebalanceListener):
         self._generation = generation
         self._on_expelled = on_expelled
         self._rejoin_without = rejoin_without
+        self._still_member = still_member
         self._membership_check_s = membership_check_s
-        #: fenced partitions to rejoin without once this worker knows it is still a member (``_rejoin_soon``):
-        #: the generation each was lost in, and when
-        self._fenced: dict[TopicPartition, tuple[int, float]] = {}
+        #: fenced partitions to rejoin without once this worker knows it is still a member (``_rejoin_soon``),
+        #: with the generation each was lost in
+        self._fenced: dict[TopicPartition, int] = {}
         self._rejoining: asyncio.Task[None] | None = None
         self._flush_timeout_s = flush_timeout_s
         intake.on_stale = self.partition_lost
@@ -142,27 +149,24 @@ class RequestRebalanceListener(ConsumerRebalanceListener):
         """After a fencing with no new owner (a timed-out transaction) the group still assigns the partition
         here, and nothing else would rebalance it: served by nobody. So the worker rejoins, claiming the partition
         no more, and the assignment gives it back as gained (a new producer, its committed state read, its requests
-        taken over under a newer attempt) or to another member. Not at once: an expelled worker (a stall past the
-        session timeout) learns so from its next heartbeats and must rejoin as expelled, claiming nothing; and one
+        taken over under a newer attempt) or to another member. Only once the coordinator has said this worker is
+        still a member of the generation: an expelled worker (a stall past the session timeout) must rejoin as
+        expelled, claiming nothing, which its consumer's own heartbeat sees to. After a short wait, so that one
         rejoin serves every partition fenced meanwhile. Nothing is done for a partition when a rebalance came in
         between (it settled the partition), nor for one this worker serves again."""
-        self._fenced[tp] = (generation, asyncio.get_running_loop().time())
+        self._fenced[tp] = generation
         if self._rejoining is None or self._rejoining.done():
             self._rejoining = asyncio.create_task(self._rejoin_while_still_member(), name="rejoin-fenced")
 
     async def _rejoin_while_still_member(self) -> None:
-        loop = asyncio.get_running_loop()
         while self._fenced:
-            oldest = min(at for _, at in self._fenced.values())
-            await asyncio.sleep(max(0.0, oldest + self._membership_check_s - loop.time()))
-            now, generation, owned = loop.time(), self._generation(), self._transactions.owned()
-            ripe = {tp: lost_in for tp, (lost_in, at) in self._fenced.items()
-                    if at + self._membership_check_s <= now}
-            for tp in ripe:
-                del self._fenced[tp]
-            due = {tp for tp, lost_in in ripe.items()
-                   if lost_in == generation != EXPELLED and tp not in owned}
-            if due:
+            await asyncio.sleep(self._membership_check_s)  # the fencings of one stall come together: one rejoin
+            fenced, self._fenced = self._fenced, {}
+            generation, owned = self._generation(), self._transactions.owned()
+            due = {tp for tp, lost_in in fenced.items() if lost_in == generation != EXPELLED and tp not in owned}
+            # Not a member (expelled, a rebalance under way) or no answer: the consumer's own heartbeat acts on it,
+            # and the rejoin that follows settles the partitions.
+            if due and await self._still_member(generation) and self._generation() == generation:
                 log.warning("rejoining the group without fenced partitions", extra={"partitions": _numbers(due)})
                 self._rejoin_without(due)
 

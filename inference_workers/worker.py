@@ -15,6 +15,8 @@ from functools import partial
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+from aiokafka.errors import KafkaError
+from aiokafka.protocol.group import HeartbeatRequest
 
 from inference_workers.admin import admin_server, create_admin_app
 from inference_workers.assignor import StickyLoadAssignor
@@ -62,6 +64,18 @@ def group_generation(consumer: AIOKafkaConsumer) -> int:
     """The consumer's current group generation (-1 once the coordinator expelled it). aiokafka keeps it on its
     coordinator and exposes no public accessor."""
     return int(consumer._coordinator.generation)
+
+
+async def still_member(consumer: AIOKafkaConsumer, timeout_s: float, generation: int) -> bool:
+    """Whether the group coordinator still counts this consumer a member of ``generation``: a heartbeat of our
+    own, answered without error. Expelled, a rebalance under way, or no answer: False."""
+    coordinator = consumer._coordinator
+    request = HeartbeatRequest(coordinator.group_id, generation, coordinator.member_id)
+    try:
+        response = await asyncio.wait_for(coordinator._send_req(request), timeout_s)
+    except (KafkaError, TimeoutError):
+        return False
+    return bool(response.error_code == 0)
 
 
 def rejoin_without(consumer: AIOKafkaConsumer, assignor: StickyLoadAssignor, partitions: set[TopicPartition]
@@ -166,7 +180,9 @@ class Worker:
                                                 partial(committed_states, consumer), consumer.seek,
                                                 partial(group_generation, consumer), on_expelled=assignor.forget,
                                                 rejoin_without=partial(rejoin_without, consumer, assignor),
-                                                membership_check_s=2 * kafka.heartbeat_interval_ms / 1000)
+                                                still_member=partial(still_member, consumer,
+                                                                     kafka.request_timeout_ms / 1000),
+                                                membership_check_s=kafka.heartbeat_interval_ms / 1000)
             finalizer.set_partition_lost(listener.partition_lost)
             self._listener = listener
             consumer.subscribe(list(queues), listener=listener)

@@ -264,3 +264,22 @@ async def test_a_stopping_worker_asks_for_no_rebalance() -> None:
     w1.listener.stop()
     await asyncio.sleep(0.5)
     assert w1.rejoins == []
+
+
+async def test_a_worker_the_coordinator_no_longer_counts_a_member_does_not_rejoin_on_its_own() -> None:
+    """Second review of the rejoin: waiting for the heartbeat was a guess. An expelled worker whose heartbeats go
+    unanswered longer (the coordinator moving) still read its old generation and rejoined with its partitions
+    revoked as kept, not as expelled (claiming them all). It now asks the coordinator first."""
+    group = FakeGroup()
+    w1 = make("w1", group, FakeEngine(auto=False))
+    asked: list[int] = []
+
+    async def not_a_member(generation: int) -> bool:
+        asked.append(generation)
+        return False
+
+    w1.listener._still_member = not_a_member
+    await w1.assign(0)
+    await w1.listener.partition_lost(P0)
+    await pump()
+    assert asked == [w1.generation] and w1.rejoins == []
