@@ -19,6 +19,7 @@ NOTE: aiokafka does not heartbeat while ``on_partitions_assigned`` runs: everyth
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 
@@ -41,12 +42,26 @@ Generation = Callable[[], int]
 EXPELLED = -1
 #: rejoin the group claiming none of these partitions any more (``StickyLoadAssignor.disown``, then a rejoin)
 RejoinWithout = Callable[[set[TopicPartition]], None]
-#: whether the group coordinator still counts this worker a member of the given generation (asked now)
-StillMember = Callable[[int], Awaitable[bool]]
+#: the longest pause between two membership questions the coordinator left unanswered
+MEMBERSHIP_RETRY_MAX_S = 8.0
 
 
-async def _always_member(generation: int) -> bool:
-    return True
+class Membership(enum.Enum):
+    """What the group coordinator says of this worker in a generation."""
+
+    MEMBER = "member"
+    #: expelled, replaced, or a rebalance under way: the consumer's own heartbeat hears the same and rejoins
+    NOT_MEMBER = "not_member"
+    #: no answer (a timeout, the coordinator moving or loading): ask again
+    UNKNOWN = "unknown"
+
+
+#: asks the group coordinator whether this worker is still a member of the given generation
+StillMember = Callable[[int], Awaitable[Membership]]
+
+
+async def _always_member(generation: int) -> Membership:
+    return Membership.MEMBER
 
 
 class RequestRebalanceListener(ConsumerRebalanceListener):
@@ -67,9 +82,12 @@ class RequestRebalanceListener(ConsumerRebalanceListener):
         self._still_member = still_member
         self._membership_check_s = membership_check_s
         #: fenced partitions to rejoin without once this worker knows it is still a member (``_rejoin_soon``),
-        #: with the generation each was lost in
-        self._fenced: dict[TopicPartition, int] = {}
+        #: with the generation each was lost in and the assignments seen by then
+        self._fenced: dict[TopicPartition, tuple[int, int]] = {}
         self._rejoining: asyncio.Task[None] | None = None
+        #: assignments so far: one since a partition was lost means a rebalance settled it
+        self._assignments = 0
+        self._stopped = False
         self._flush_timeout_s = flush_timeout_s
         intake.on_stale = self.partition_lost
 
@@ -93,6 +111,7 @@ class RequestRebalanceListener(ConsumerRebalanceListener):
         await self._finalizer.flush(self._flush_timeout_s)
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        self._assignments += 1
         async with self._intake.admission:
             owned = self._transactions.owned()
             moved, gained = owned - assigned, assigned - owned
@@ -154,24 +173,48 @@ class RequestRebalanceListener(ConsumerRebalanceListener):
         expelled, claiming nothing, which its consumer's own heartbeat sees to. After a short wait, so that one
         rejoin serves every partition fenced meanwhile. Nothing is done for a partition when a rebalance came in
         between (it settled the partition), nor for one this worker serves again."""
-        self._fenced[tp] = generation
+        if self._stopped:
+            return
+        self._fenced[tp] = (generation, self._assignments)
         if self._rejoining is None or self._rejoining.done():
             self._rejoining = asyncio.create_task(self._rejoin_while_still_member(), name="rejoin-fenced")
 
     async def _rejoin_while_still_member(self) -> None:
-        while self._fenced:
-            await asyncio.sleep(self._membership_check_s)  # the fencings of one stall come together: one rejoin
+        delay = self._membership_check_s  # the fencings of one stall come together: one rejoin
+        while self._fenced and not self._stopped:
+            await asyncio.sleep(delay)
             fenced, self._fenced = self._fenced, {}
-            generation, owned = self._generation(), self._transactions.owned()
-            due = {tp for tp, lost_in in fenced.items() if lost_in == generation != EXPELLED and tp not in owned}
-            # Not a member (expelled, a rebalance under way) or no answer: the consumer's own heartbeat acts on it,
-            # and the rejoin that follows settles the partitions.
-            if due and await self._still_member(generation) and self._generation() == generation:
+            if not self._due(fenced):
+                continue
+            answer = await self._membership(self._generation())
+            due = self._due(fenced)  # again: a rebalance may have settled them while the coordinator answered
+            if answer is Membership.UNKNOWN:
+                for tp in due:
+                    self._fenced.setdefault(tp, fenced[tp])
+                delay = min(max(delay, 0.05) * 2, MEMBERSHIP_RETRY_MAX_S)
+                continue
+            delay = self._membership_check_s
+            if answer is Membership.MEMBER and due and not self._stopped:
                 log.warning("rejoining the group without fenced partitions", extra={"partitions": _numbers(due)})
                 self._rejoin_without(due)
 
+    def _due(self, fenced: dict[TopicPartition, tuple[int, int]]) -> set[TopicPartition]:
+        """Of the fenced partitions, those still to give up: lost in this generation (not expelled), with no
+        assignment since, and not served again."""
+        generation, owned = self._generation(), self._transactions.owned()
+        return {tp for tp, (lost_in, assignments) in fenced.items()
+                if lost_in == generation != EXPELLED and assignments == self._assignments and tp not in owned}
+
+    async def _membership(self, generation: int) -> Membership:
+        try:
+            return await self._still_member(generation)
+        except Exception:  # asked again later: losing the question would leave the partitions unserved
+            log.warning("could not ask the group coordinator about this worker's membership", exc_info=True)
+            return Membership.UNKNOWN
+
     def stop(self) -> None:
         """The worker is stopping: no rebalance for partitions it drops now (it leaves the group anyway)."""
+        self._stopped = True
         if self._rejoining is not None:
             self._rejoining.cancel()
         self._fenced.clear()

@@ -15,6 +15,7 @@ from functools import partial
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+from aiokafka import errors as Errors
 from aiokafka.errors import KafkaError
 from aiokafka.protocol.group import HeartbeatRequest
 
@@ -30,7 +31,7 @@ from inference_workers.prefix import PrefixReader
 from inference_workers.presence import GatewayPresence
 from inference_workers.priority import PriorityGate
 from inference_workers.protocol import EngineClient
-from inference_workers.rebalance import RequestRebalanceListener
+from inference_workers.rebalance import Membership, RequestRebalanceListener
 from inference_workers.token_sink import TokenSink
 from inference_workers.transactions import PartitionTransactions
 from runtime.dead_letters import DeadLetters
@@ -66,16 +67,25 @@ def group_generation(consumer: AIOKafkaConsumer) -> int:
     return int(consumer._coordinator.generation)
 
 
-async def still_member(consumer: AIOKafkaConsumer, timeout_s: float, generation: int) -> bool:
-    """Whether the group coordinator still counts this consumer a member of ``generation``: a heartbeat of our
-    own, answered without error. Expelled, a rebalance under way, or no answer: False."""
+#: FENCED_INSTANCE_ID (a static member replaced), which aiokafka 0.14 does not name
+_FENCED_INSTANCE_ID = 82
+#: a heartbeat's answers that say this consumer is not (or no longer) a member of the generation it named
+_NOT_A_MEMBER = frozenset([*(e.errno for e in (Errors.UnknownMemberIdError, Errors.IllegalGenerationError,
+                                                Errors.RebalanceInProgressError)), _FENCED_INSTANCE_ID])
+
+
+async def still_member(consumer: AIOKafkaConsumer, timeout_s: float, generation: int) -> Membership:
+    """What the group coordinator says of this consumer in ``generation``: a heartbeat of our own (beside the
+    consumer's: requests on one connection are matched by correlation id)."""
     coordinator = consumer._coordinator
     request = HeartbeatRequest(coordinator.group_id, generation, coordinator.member_id)
     try:
         response = await asyncio.wait_for(coordinator._send_req(request), timeout_s)
     except (KafkaError, TimeoutError):
-        return False
-    return bool(response.error_code == 0)
+        return Membership.UNKNOWN
+    if response.error_code == 0:
+        return Membership.MEMBER
+    return Membership.NOT_MEMBER if response.error_code in _NOT_A_MEMBER else Membership.UNKNOWN
 
 
 def rejoin_without(consumer: AIOKafkaConsumer, assignor: StickyLoadAssignor, partitions: set[TopicPartition]
@@ -180,8 +190,10 @@ class Worker:
                                                 partial(committed_states, consumer), consumer.seek,
                                                 partial(group_generation, consumer), on_expelled=assignor.forget,
                                                 rejoin_without=partial(rejoin_without, consumer, assignor),
+                                                # inside the connection's own request timeout, which would
+                                                # close the coordinator connection under a join in flight
                                                 still_member=partial(still_member, consumer,
-                                                                     kafka.request_timeout_ms / 1000),
+                                                                     kafka.request_timeout_ms / 2000),
                                                 membership_check_s=kafka.heartbeat_interval_ms / 1000)
             finalizer.set_partition_lost(listener.partition_lost)
             self._listener = listener

@@ -5,11 +5,16 @@ test failed on the first version of the rebalance code for the reason in its doc
 from __future__ import annotations
 
 import asyncio
+from functools import partial
+from types import SimpleNamespace
 
 from aiokafka import TopicPartition
 from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment
+from aiokafka.errors import KafkaConnectionError
 
 from inference_workers.assignor import Member, StickyLoadAssignor, assign, decode_member
+from inference_workers.rebalance import Membership
+from inference_workers.worker import still_member
 from schemas.events import ChatRequest
 from tests.fakes.engine import FakeEngine
 from tests.fakes.kafka import FakeGroup
@@ -274,12 +279,92 @@ async def test_a_worker_the_coordinator_no_longer_counts_a_member_does_not_rejoi
     w1 = make("w1", group, FakeEngine(auto=False))
     asked: list[int] = []
 
-    async def not_a_member(generation: int) -> bool:
+    async def not_a_member(generation: int) -> Membership:
         asked.append(generation)
-        return False
+        return Membership.NOT_MEMBER
 
     w1.listener._still_member = not_a_member
     await w1.assign(0)
     await w1.listener.partition_lost(P0)
     await pump()
     assert asked == [w1.generation] and w1.rejoins == []
+
+
+async def test_a_partition_fenced_while_the_worker_drains_asks_for_no_rebalance() -> None:
+    """Third review: stop() cancelled the waiting check, but a commit fenced later (during the drain: the consumer
+    is a member until it stops) started a new one, which rebalanced the group on the worker's way out."""
+    group = FakeGroup()
+    w1 = make("w1", group, FakeEngine(auto=False))
+    w1.listener._membership_check_s = 0.05
+    await w1.assign(0)
+    w1.listener.stop()
+    await w1.listener.partition_lost(P0)
+    await asyncio.sleep(0.2)
+    assert w1.rejoins == []
+
+
+async def test_a_membership_question_left_unanswered_is_asked_again() -> None:
+    """Third review: "no answer" (a timeout, the coordinator moving) read as "not a member" dropped the fenced
+    partitions from the check for good; the consumer's own heartbeat does not rejoin when the coordinator it finds
+    next still knows the member, so the partition stayed assigned here, served by nobody."""
+    group = FakeGroup()
+    w1 = make("w1", group, FakeEngine(auto=False))
+    w1.listener._membership_check_s = 0.01
+    answers = [KafkaConnectionError("the coordinator is moving"), SimpleNamespace(error_code=15),
+               SimpleNamespace(error_code=0)]
+
+    async def send_req(request: object) -> object:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    consumer = SimpleNamespace(_coordinator=SimpleNamespace(group_id="g", member_id="m", _send_req=send_req))
+    w1.listener._still_member = partial(still_member, consumer, 1.0)  # type: ignore[arg-type]
+    await w1.assign(0)
+    await w1.listener.partition_lost(P0)
+    await asyncio.sleep(0.5)
+    assert answers == [] and w1.rejoins == [{P0}]
+
+
+async def test_a_partition_regained_while_the_coordinator_answers_is_not_given_up() -> None:
+    """Third review: the partitions to give up were chosen before the membership question. One fenced between a
+    JoinGroup and its SyncGroup (the new generation already read) and given back by that assignment while the
+    question waited on the same connection was given up all the same: another group-wide rebalance."""
+    group = FakeGroup()
+    w1 = make("w1", group, FakeEngine(auto=False))
+    w1.listener._membership_check_s = 0.01
+    await w1.assign(0)
+    await w1.listener.on_partitions_revoked(w1.transactions.owned())
+    group.generation += 1
+    w1.generation = group.generation  # JoinGroup answered
+    await w1.listener.partition_lost(P0)
+
+    async def member_once_synced(generation: int) -> Membership:
+        await w1.listener.on_partitions_assigned({P0})  # SyncGroup answered first: P0 back, gained
+        return Membership.MEMBER
+
+    w1.listener._still_member = member_once_synced
+    await asyncio.sleep(0.2)
+    assert P0 in w1.transactions.owned() and w1.rejoins == []
+
+
+async def test_an_error_while_asking_the_coordinator_is_asked_again() -> None:
+    """Third review: an exception the question did not expect ended the check's task, and the partitions it had
+    taken out of the set with it."""
+    group = FakeGroup()
+    w1 = make("w1", group, FakeEngine(auto=False))
+    w1.listener._membership_check_s = 0.01
+    answers: list[Membership | Exception] = [RuntimeError("unexpected"), Membership.MEMBER]
+
+    async def flaky(generation: int) -> Membership:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    w1.listener._still_member = flaky
+    await w1.assign(0)
+    await w1.listener.partition_lost(P0)
+    await asyncio.sleep(0.3)
+    assert w1.rejoins == [{P0}]
