@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from functools import partial
 
 from aiokafka import AIOKafkaConsumer
@@ -51,8 +52,11 @@ return 0
 
 class WorkerLiveness:
     def __init__(self, redis: Redis, settings: RedisSettings, consumer: AIOKafkaConsumer, *, group: str,
-                 instance_id: str, ttl_s: float, renew_s: float, trust_after_s: float | None = None) -> None:
+                 instance_id: str, ttl_s: float, renew_s: float, trust_after_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._redis = redis
+        #: times the renewals and the trust window (a test passes its event loop's virtual clock)
+        self._clock = clock
         self._consumer = consumer
         self._group = group
         self._instance = instance_id
@@ -83,12 +87,12 @@ class WorkerLiveness:
     async def run(self) -> None:
         try:
             while True:
-                started = time.monotonic()
+                started = self._clock()
                 try:
                     await self.beat()
                 except (RedisError, OSError, TimeoutError) as exc:
                     log.debug("worker lease not renewed", extra={"reason": repr(exc)})
-                await asyncio.sleep(max(0.0, self._renew_s - (time.monotonic() - started)))
+                await asyncio.sleep(max(0.0, self._renew_s - (self._clock() - started)))
         finally:
             for task in self._evicting.values():
                 task.cancel()
@@ -130,7 +134,7 @@ class WorkerLiveness:
 
     def _trusted(self) -> bool:
         """Whether Redis has held this worker's lease long enough for a missing peer lease to mean a dead peer."""
-        now = time.monotonic()
+        now = self._clock()
         if self._last_renewal is not None and now - self._last_renewal > self._ttl_s:
             self._trusted_since = None  # this worker's own renewal came late: its lease (and others') lapsed
         self._last_renewal = now

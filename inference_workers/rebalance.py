@@ -212,6 +212,12 @@ class RequestRebalanceListener(ConsumerRebalanceListener):
             log.warning("could not ask the group coordinator about this worker's membership", exc_info=True)
             return Membership.UNKNOWN
 
+    async def membership_checked(self) -> None:
+        """Return once the membership check under way, if any, has ended: it rejoined, found nothing left to give
+        up, or was stopped. What a caller waits for before it judges that no rejoin follows."""
+        if self._rejoining is not None:
+            await asyncio.wait([self._rejoining])
+
     def stop(self) -> None:
         """The worker is stopping: no rebalance for partitions it drops now (it leaves the group anyway)."""
         self._stopped = True

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import selectors
 import subprocess
 import sys
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 from aiokafka import TopicPartition
@@ -22,6 +24,8 @@ from runtime.kafka_clients import all_partitions, make_admin, make_consumer, rea
 from runtime.settings import REPO_ROOT, KafkaSettings
 from schemas.codec import EventCodec
 from schemas.events import Event, TokenEvent, TokenUsage
+
+T = TypeVar("T")
 
 # One folder per test session port base: two sessions on one machine keep their own logs.
 LOG_DIR = REPO_ROOT / ".local" / "test-logs" / os.environ.get("KNS_TEST_PORT_BASE", "18000")
@@ -138,8 +142,10 @@ def group_by_request(events: list[Event]) -> dict[str, list[Event]]:
     return grouped
 
 
-async def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.1):  # type: ignore[no-untyped-def]
-    """Poll an (async or sync) predicate until it returns something truthy; the last value otherwise."""
+async def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.1, *,
+                   what: str | None = None):
+    """Poll an (async or sync) predicate until it returns something truthy; the last value otherwise, or, when
+    ``what`` says what was awaited, an AssertionError naming it (a deadline that fails loudly)."""
     deadline = time.monotonic() + timeout_s
     value = None
     while time.monotonic() < deadline:
@@ -149,7 +155,74 @@ async def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.1):
         if value:
             return value
         await asyncio.sleep(interval_s)
+    if what is not None:
+        raise AssertionError(f"{what}: not within {timeout_s} s (last: {value!r})")
     return value
+
+
+def wait_until(predicate: Callable[[], object], what: str, timeout_s: float = 20.0, interval_s: float = 0.02
+               ) -> None:
+    """``wait_for`` for synchronous tests (child processes, files): poll until truthy, or fail naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s} s")
+        time.sleep(interval_s)
+
+
+class _JumpingSelector(selectors.DefaultSelector):
+    """Polls without blocking; when nothing is ready and the loop would sleep until its next timer, moves the
+    loop's virtual clock to that timer instead."""
+
+    loop: VirtualTimeLoop
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        ready = super().select(0)
+        if ready or timeout == 0:
+            return ready
+        if timeout is None:  # no timer at all: only another thread could wake the loop
+            ready = super().select(_IDLE_REAL_S)
+            if not ready:
+                raise RuntimeError(f"every task waits and no timer is set: deadlocked for {_IDLE_REAL_S} s")
+            return ready
+        self.loop.virtual_now += timeout
+        return []
+
+
+_IDLE_REAL_S = 10.0
+
+
+class VirtualTimeLoop(asyncio.SelectorEventLoop):
+    """An event loop on a virtual clock that jumps to the next timer whenever every task is waiting.
+
+    ``asyncio.sleep``, ``wait_for`` timeouts and ``loop.time()`` run on it: a backoff of seconds takes no wall
+    time, and timers fire in the order of their deadlines however loaded the machine is. Code that reads
+    ``time.monotonic()`` itself needs the loop's ``time`` passed in as its clock."""
+
+    def __init__(self) -> None:
+        selector = _JumpingSelector()
+        super().__init__(selector)
+        selector.loop = self
+        self.virtual_now = 0.0
+
+    def time(self) -> float:
+        return self.virtual_now
+
+
+def run_in_virtual_time(scenario: Callable[[], Awaitable[T]]) -> T:
+    """Run ``scenario()`` to its end on a fresh ``VirtualTimeLoop`` (a synchronous test's whole body); the tasks
+    it leaves behind are cancelled before the loop closes."""
+    loop = VirtualTimeLoop()
+    try:
+        return loop.run_until_complete(scenario())
+    finally:
+        leftovers = asyncio.all_tasks(loop)
+        for task in leftovers:
+            task.cancel()
+        if leftovers:
+            loop.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
 
 
 def token_event(request_id: str, seq: int, text: str | None = None, final: bool = False) -> TokenEvent:

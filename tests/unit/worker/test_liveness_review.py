@@ -17,6 +17,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from inference_workers.liveness import WorkerLiveness
 from runtime.settings import RedisSettings, WorkerSettings
+from tests.helpers import run_in_virtual_time
 
 GROUP = "kns-test-workers"
 
@@ -25,13 +26,23 @@ class FakeRedis:
     """Strings with a PX expiry (on a settable clock), hashes, and a switch that makes Redis unreachable."""
 
     def __init__(self) -> None:
-        self.now = 0.0
+        self._now = 0.0
+        #: when set, the time is read from it (a test's virtual clock) instead of ``now`` as last set
+        self.clock: Callable[[], float] | None = None
         self.down = False
         self.strings: dict[str, tuple[str, float]] = {}
         self.hashes: dict[str, dict[str, str]] = {}
         #: awaited after a DEL (another client's commands interleaving between two round trips)
         self.after_delete: Callable[[], Awaitable[None]] | None = None
         self.script_fails = False
+
+    @property
+    def now(self) -> float:
+        return self._now if self.clock is None else self.clock()
+
+    @now.setter
+    def now(self, value: float) -> None:
+        self._now = value
 
     def _check(self) -> None:
         if self.down:
@@ -135,21 +146,21 @@ class FakeCoordinator:
 
 
 def _worker(redis: FakeRedis, group: Group, name: str, *, ttl_s: float = 1.0, renew_s: float = 0.2,
-            leave_delay_s: float = 0.0, trust_after_s: float | None = 0.0) -> WorkerLiveness:
+            leave_delay_s: float = 0.0, trust_after_s: float | None = 0.0,
+            clock: Callable[[], float] = time.monotonic) -> WorkerLiveness:
     """``trust_after_s`` 0: peers are judged from the first beat (the fake clock is not the worker's); None: the
     real window (a TTL and a renewal period of successful renewals)."""
     coordinator = FakeCoordinator(group, name, f"{name}-member-1", leave_delay_s)
     consumer = SimpleNamespace(_coordinator=coordinator)
     return WorkerLiveness(redis, RedisSettings(), consumer, group=GROUP,  # type: ignore[arg-type]
-                          instance_id=name, ttl_s=ttl_s, renew_s=renew_s, trust_after_s=trust_after_s)
+                          instance_id=name, ttl_s=ttl_s, renew_s=renew_s, trust_after_s=trust_after_s, clock=clock)
 
 
-async def test_a_redis_outage_longer_than_the_ttl_makes_the_first_worker_back_evict_every_live_peer() -> None:
+async def test_after_a_redis_outage_longer_than_the_ttl_the_first_worker_back_evicts_no_live_peer() -> None:
     """Redis unreachable (a network blip, a restart with persistence, a replica promoted) for more than ttl_s: no
-    worker can renew, every lease lapses while the directory (no TTL) stays. The docstring promises "Redis
-    unreachable: nobody is evicted", but the first worker whose beat reaches Redis again renews its own lease and
-    finds every other lease gone: it evicts all its live peers at once, a whole-group rebalance in which every
-    in-flight request of the evicted workers is aborted and taken over."""
+    worker can renew, every lease lapses while the directory (no TTL) stays. The first worker whose beat reaches
+    Redis again finds every other lease gone; it must not evict its live peers (the first version did: a
+    whole-group rebalance in which every in-flight request of the evicted workers is aborted and taken over)."""
     redis, group = FakeRedis(), Group()
     workers = [_worker(redis, group, name, trust_after_s=None) for name in ("a", "b", "c", "d")]
     for w in workers:
@@ -170,42 +181,39 @@ async def test_a_redis_outage_longer_than_the_ttl_makes_the_first_worker_back_ev
     assert group.members == {"a-member-1", "b-member-1", "c-member-1", "d-member-1"}
 
 
-async def test_a_slow_leave_group_stalls_the_evictors_own_renewal_until_its_lease_lapses() -> None:
+def test_a_slow_leave_group_never_holds_up_the_evictors_own_renewal() -> None:
     """The renewal and the evictions share one loop and LeaveGroup has no deadline of its own (the client's
-    request_timeout_ms, 30 s here). A coordinator slow to answer (a broker under load or failing over) keeps the
-    evicting worker from renewing: its own lease lapses and its peers evict it too, a live worker."""
-    redis, group = FakeRedis(), Group()
-    dead = _worker(redis, group, "dead", ttl_s=0.3, renew_s=0.1)
-    await dead.beat()
-    survivor = _worker(redis, group, "survivor", ttl_s=0.3, renew_s=0.1, leave_delay_s=1.0)
-    observer = _worker(redis, group, "observer", ttl_s=0.3, renew_s=0.1)
+    request_timeout_ms, 30 s here). In the first version a coordinator slow to answer (a broker under load or
+    failing over) kept the evicting worker from renewing: its own lease lapsed and its peers evicted it too, a live
+    worker. On a virtual clock (the fake Redis reads the loop's time): the LeaveGroup takes 1 s, the survivor's
+    lease 0.3 s, and an observer beats at 0.65 s while the LeaveGroup is still on its way."""
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        redis, group = FakeRedis(), Group()
+        dead = _worker(redis, group, "dead", ttl_s=0.3, renew_s=0.1)
+        await dead.beat()  # at 0: its lease is gone by 0.3
+        redis.clock = lambda: loop.time() + 0.5  # the dead worker's lease already lapsed
+        survivor = _worker(redis, group, "survivor", ttl_s=0.3, renew_s=0.1, leave_delay_s=1.0, clock=loop.time)
+        observer = _worker(redis, group, "observer", ttl_s=0.3, renew_s=0.1, clock=loop.time)
+        beating = asyncio.create_task(survivor.run())
+        try:
+            await asyncio.sleep(0.65)
+            assert "dead" in survivor._evicting, "the survivor's LeaveGroup is not in flight: nothing was tested"
+            await observer.beat()
+        finally:
+            beating.cancel()
+            await asyncio.gather(beating, return_exceptions=True)
+        evicted = [member for sender, member in group.leaves if sender == "observer"]
+        assert "survivor-member-1" not in evicted, "a live worker was evicted: its renewal waited behind a LeaveGroup"
+        assert evicted == ["dead-member-1"]
 
-    started = time.monotonic()
-
-    async def clock() -> None:
-        while True:
-            redis.now = time.monotonic() - started + 0.5  # the dead worker's lease already lapsed
-            await asyncio.sleep(0.01)
-
-    tick = asyncio.create_task(clock())
-    loop = asyncio.create_task(survivor.run())
-    try:
-        await asyncio.sleep(0.05)
-        # the dead one's entry still names its member (its LeaveGroup is in flight); the survivor is alive
-        await asyncio.sleep(0.6)
-        await observer.beat()
-    finally:
-        loop.cancel()
-        tick.cancel()
-        await asyncio.gather(loop, tick, return_exceptions=True)
-    evicted = [member for sender, member in group.leaves if sender == "observer"]
-    assert "survivor-member-1" not in evicted, "a live worker was evicted: its renewal waited behind a LeaveGroup"
+    run_in_virtual_time(scenario)
 
 
-async def test_a_graceful_stop_deletes_its_lease_before_its_directory_entry_and_a_peer_forces_a_rebalance() -> None:
-    """close() deletes the lease, then (another round trip) forgets the directory entry. A peer beating between the
-    two sees a listed member without a lease, sends LeaveGroup (already gone: it left) and request_rejoin(): one more
-    full eager rebalance of a group that had just settled after the graceful leave."""
+async def test_a_peer_beating_during_a_graceful_stop_neither_evicts_the_leaver_nor_forces_a_rebalance() -> None:
+    """close() takes two round trips (the directory entry, the lease). The first version deleted the lease first: a
+    peer beating between the two saw a listed member without a lease, sent LeaveGroup (already gone: it left) and
+    request_rejoin(): one more full eager rebalance of a group that had just settled after the graceful leave."""
     redis, group = FakeRedis(), Group()
     leaving, peer = _worker(redis, group, "leaving"), _worker(redis, group, "peer")
     await leaving.beat()
@@ -218,14 +226,15 @@ async def test_a_graceful_stop_deletes_its_lease_before_its_directory_entry_and_
     redis.after_delete = peer_beats
     await leaving.close()
 
-    assert group.leaves == [], f"a peer judged a gracefully stopping member dead: {group.leaves}, " \
-                               f"rejoins {group.rejoins}"
+    assert group.leaves == [] and group.rejoins == [], f"a peer judged a gracefully stopping member dead: " \
+                                                       f"{group.leaves}, rejoins {group.rejoins}"
 
 
-async def test_an_already_gone_member_makes_every_survivor_force_a_rebalance_of_a_stable_group() -> None:
+async def test_an_already_gone_member_makes_no_survivor_force_a_rebalance_of_a_stable_group() -> None:
     """A member whose lease lapsed after it had left the group (its close() lost to a Redis error; a worker killed
-    between consumer.stop() and close()): every survivor's LeaveGroup is answered UNKNOWN_MEMBER_ID, and each still
-    calls request_rejoin(): a stable group is rebalanced (eagerly: every partition revoked) for nothing."""
+    between consumer.stop() and close()): every survivor's LeaveGroup is answered UNKNOWN_MEMBER_ID. The first
+    version still called request_rejoin(): a stable group rebalanced (eagerly: every partition revoked) for
+    nothing."""
     redis, group = FakeRedis(), Group()
     gone = _worker(redis, group, "gone")
     survivors = [_worker(redis, group, n) for n in ("s1", "s2")]
@@ -234,13 +243,14 @@ async def test_an_already_gone_member_makes_every_survivor_force_a_rebalance_of_
     redis.now = 1.5
     for s in survivors:
         await s.beat()
+    assert group.leaves == [("s1", "gone-member-1")], "nobody asked (answered UNKNOWN_MEMBER_ID; s1 forgot it)"
     assert group.rejoins == [], f"stable group rebalanced by {group.rejoins} for a member already gone"
 
 
-async def test_a_failed_forget_after_a_successful_eviction_never_requests_the_rejoin() -> None:
-    """LeaveGroup succeeded, then the directory clean-up (a Redis round trip) failed: _evict raises before
-    request_rejoin(), and _evicted already holds the member, so the eviction is never retried: this survivor joins
-    the rebalance only at its next heartbeat, and the rebalance waits for it."""
+async def test_a_failed_forget_after_a_successful_eviction_still_requests_the_rejoin_once() -> None:
+    """LeaveGroup succeeded, then the directory clean-up (a Redis round trip) failed. The first version raised
+    before request_rejoin() with the member already in _evicted, so the eviction was never retried and this
+    survivor joined the rebalance only at its next heartbeat (the rebalance waiting for it)."""
     redis, group = FakeRedis(), Group()
     dead, survivor = _worker(redis, group, "dead"), _worker(redis, group, "survivor")
     await dead.beat()
