@@ -8,6 +8,8 @@ others:
 * each supervisor leads a process group of its own and gets ``PR_SET_PDEATHSIG(SIGKILL)``: a terminal's Ctrl-C
   reaches the fleet alone, which passes it on once to every supervisor (a second signal, again: "now"), and a
   SIGKILLed fleet takes its supervisors along (which take their services along);
+* a supervisor starts with the signals it takes blocked, and with their default actions: a stop passed on while it is
+  still starting waits for it, and one the fleet's own launcher ignored (a background job's SIGINT) still stops it;
 * a supervisor that exits while nobody asked it to (a permanent exit code: the configuration is wrong, which is
   wrong for every copy) stops the others; the fleet exits with that code.
 
@@ -40,11 +42,14 @@ class Fleet:
         self._pid = os.getpid()
         self._running: dict[int, subprocess.Popen[bytes]] = {}
 
+    def _supervisor_command(self, index: int) -> list[str]:
+        return [sys.executable, "-m", "runtime.supervisor", f"{self.name}-{index}", "--", *self.argv]
+
     def _start(self, index: int, env: dict[str, str]) -> subprocess.Popen[bytes]:
-        command = [sys.executable, "-m", "runtime.supervisor", f"{self.name}-{index}", "--", *self.argv]
         parent = self._pid
-        return subprocess.Popen(command, stdin=subprocess.DEVNULL, env={**env, **own_session_env()}, process_group=0,
-                                preexec_fn=lambda: die_with_parent(parent, _HANDLED))
+        return subprocess.Popen(self._supervisor_command(index), stdin=subprocess.DEVNULL,
+                                env={**env, **own_session_env()}, process_group=0,
+                                preexec_fn=lambda: die_with_parent(parent, _HANDLED, keep_blocked=True))
 
     def _signal_all(self, sig: int) -> None:
         for child in self._running.values():

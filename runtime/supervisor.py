@@ -16,7 +16,8 @@ The service runs as the supervisor's only child, in a process group of its own:
   never meets its predecessor's engine on the GPU.
 
 Signals are handled synchronously (blocked, then taken with ``sigtimedwait``): none is lost between a child's exit
-and the decision to restart it, nor during the restart delay.
+and the decision to restart it, nor during the restart delay. The child gets them with their default actions: one
+that whoever started the supervisor ignored (a background job's SIGINT) still reaches it.
 
 Owns: one child and whatever that child leaves behind. Must not: signal anything outside its own process tree.
 """
@@ -68,10 +69,19 @@ def _prctl(option: int, value: int) -> None:
         raise OSError(errno, os.strerror(errno))
 
 
-def die_with_parent(parent_pid: int, blocked: set[signal.Signals]) -> None:
-    """Runs in a child between fork and exec: it dies with its parent (SIGKILL), and gets the signals the parent
-    blocked for itself back (the mask is inherited across exec)."""
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
+def die_with_parent(parent_pid: int, handled: set[signal.Signals], *, keep_blocked: bool = False) -> None:
+    """Runs in a child between fork and exec: it dies with its parent (SIGKILL), and the signals the parent takes
+    itself (``handled``: blocked, taken with ``sigwaitinfo``) get their default action back and, unless
+    ``keep_blocked``, are unblocked.
+
+    Both survive exec otherwise: the mask, and an ignored signal. A parent started with SIGINT ignored (a background
+    job of a non-interactive shell is) still takes a SIGINT, as it is blocked, but its child would drop the one passed
+    on to it. ``keep_blocked`` is for a child that takes them synchronously too (a supervisor): one sent before it is
+    ready then waits for it, instead of killing it half-started, or being dropped."""
+    for sig in handled:  # still blocked here: none arrives before its default action is back
+        signal.signal(sig, signal.SIG_DFL)
+    if not keep_blocked:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, handled)
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent_pid:  # the parent died before the line above took effect
         os._exit(1)
