@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import selectors
 import subprocess
@@ -13,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import ParamSpec, TypeVar
 
 import httpx
 from aiokafka import TopicPartition
@@ -26,6 +27,7 @@ from schemas.codec import EventCodec
 from schemas.events import Event, TokenEvent, TokenUsage
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 # One folder per test session port base: two sessions on one machine keep their own logs.
 LOG_DIR = REPO_ROOT / ".local" / "test-logs" / os.environ.get("KNS_TEST_PORT_BASE", "18000")
@@ -207,6 +209,16 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
     def time(self) -> float:
         return self.virtual_now
+
+
+def in_virtual_time(test: Callable[P, Awaitable[None]]) -> Callable[P, None]:
+    """A test coroutine run to its end on its own ``VirtualTimeLoop`` (a synchronous test for pytest; its
+    fixtures are passed through). Objects built outside the test belong to another loop: build them inside."""
+    @functools.wraps(test)
+    def run(*args: P.args, **kwargs: P.kwargs) -> None:
+        run_in_virtual_time(lambda: test(*args, **kwargs))
+
+    return run
 
 
 def run_in_virtual_time(scenario: Callable[[], Awaitable[T]]) -> T:

@@ -14,6 +14,7 @@ import logging
 import math
 import secrets
 import time
+from collections.abc import Callable
 
 from cassandra.cluster import Session
 from redis.asyncio import Redis
@@ -50,8 +51,11 @@ class KeySuspensions:
     answers age out and the requests read for themselves (and meet the outage as before)."""
 
     def __init__(self, session: Session, keyspace: str, redis: Redis, redis_settings: RedisSettings,
-                 remember_s: float = 0.25, keep_s: float = 10.0, refresh_max_keys: int = 1000) -> None:
+                 remember_s: float = 0.25, keep_s: float = 10.0, refresh_max_keys: int = 1000,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._session = session
+        #: the ages of answers and of askings (a test passes its event loop's virtual clock)
+        self._clock = clock
         self._redis = redis
         self._redis_settings = redis_settings
         self._remember_s = remember_s
@@ -83,17 +87,17 @@ class KeySuspensions:
         """Idempotent: suspending a suspended key rewrites the same record."""
         await execute(self._session, self._insert, (key_id, org_id, reason, alert_id, utcnow()))
         await self._redis.set(self._cache_key(key_id), reason)
-        self._known[key_id] = (time.monotonic(), reason)
+        self._known[key_id] = (self._clock(), reason)
 
     async def lift(self, key_id: str) -> bool:
         was = await self._redis.delete(self._cache_key(key_id))
         await execute(self._session, self._delete, (key_id,))
-        self._known[key_id] = (time.monotonic(), None)
+        self._known[key_id] = (self._clock(), None)
         return bool(was)
 
     async def reason(self, key_id: str) -> str | None:
         """Why the key is suspended (None: it is not). Raises what Redis raises when there is no recent answer."""
-        now = time.monotonic()
+        now = self._clock()
         if self._asking:
             self._asked[key_id] = now
         known = self._known.get(key_id)
@@ -129,7 +133,7 @@ class KeySuspensions:
         """Keep the memory bounded by the keys seen within the last interval."""
         if len(self._known) < 4096:
             return
-        cutoff = time.monotonic() - self._remember_s
+        cutoff = self._clock() - self._remember_s
         for key_id in [k for k, (at, _) in self._known.items() if at < cutoff]:
             del self._known[key_id]
 
@@ -162,7 +166,7 @@ class KeySuspensions:
         """Read again, in one round trip, the answers of the keys asked for within ``keep_s`` that are at least
         ``older_than`` old, the ``refresh_max_keys`` most recently asked (the others read for themselves); returns
         how many were read."""
-        now = time.monotonic()
+        now = self._clock()
         for key_id in [k for k, at in self._asked.items() if now - at > self._keep_s]:
             del self._asked[key_id]
         stale = [k for k in self._asked if now - self._known.get(k, (-math.inf, None))[0] >= older_than]
@@ -170,7 +174,7 @@ class KeySuspensions:
             stale = heapq.nlargest(self._refresh_max_keys, stale, key=self._asked.__getitem__)
         if not stale:
             return 0
-        started = time.monotonic()
+        started = self._clock()
         async with self._redis.pipeline(transaction=False) as pipe:
             for key_id in stale:
                 pipe.get(self._cache_key(key_id))

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from producers.relay.collector import StreamCollector
 from schemas.events import TokenEvent, TokenUsage
+from tests.helpers import run_in_virtual_time
 
 
 def ev(seq: int, text: str, *, attempt: int = 1, offset: int | None = None, n: int = 1,
@@ -56,7 +59,7 @@ async def test_a_new_attempt_only_adds_tokens_the_client_has_not_seen() -> None:
 async def test_get_waits_for_news() -> None:
     c = StreamCollector("r")
     waiter = asyncio.create_task(c.get())
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0)  # the waiter runs up to its wait
     assert not waiter.done()
     c.put(ev(0, "x"))
     assert (await asyncio.wait_for(waiter, 1)).text == "x"
@@ -96,28 +99,32 @@ async def test_a_wait_without_news_times_out_and_news_after_it_is_still_delivere
     assert (await c.get(0.05)).text == "a"
 
 
-async def test_each_wait_has_its_own_deadline_with_one_timer_moved_lazily() -> None:
-    c = StreamCollector("r")
-    first = asyncio.ensure_future(c.get(0.05))
-    await asyncio.sleep(0.01)
-    c.put(ev(0, "a"))
-    assert (await first).text == "a"
-    # the timer armed for the first wait goes off at 0.05 s: this wait is not over then
-    second = asyncio.ensure_future(c.get(0.3))
-    await asyncio.sleep(0.15)
-    assert not second.done()
-    c.put(ev(1, "b"))
-    assert (await second).text == "b"
-    # a shorter wait after a longer one still ends at its own deadline
-    long_wait = asyncio.ensure_future(c.get(5))
-    await asyncio.sleep(0)
-    long_wait.cancel()
-    try:
-        await asyncio.wait_for(c.get(0.05), 1)
-    except TimeoutError:
-        pass
-    else:
-        raise AssertionError("no TimeoutError")
+def test_each_wait_has_its_own_deadline_with_one_timer_moved_lazily() -> None:
+    """On a virtual clock: the timer armed for an earlier wait has gone off (every timer due fires before the
+    clock moves on) when the later wait is checked, whatever the machine's load."""
+    async def scenario() -> None:
+        c, loop = StreamCollector("r"), asyncio.get_running_loop()
+        first = asyncio.ensure_future(c.get(0.05))
+        await asyncio.sleep(0.01)
+        c.put(ev(0, "a"))
+        assert (await first).text == "a"
+        # the timer armed for the first wait goes off at 0.05 s: this wait is not over then
+        second = asyncio.ensure_future(c.get(0.3))
+        await asyncio.sleep(0.15)
+        assert not second.done()
+        c.put(ev(1, "b"))
+        assert (await second).text == "b"
+        # a shorter wait after a longer one still ends at its own deadline
+        long_wait = asyncio.ensure_future(c.get(5))
+        await asyncio.sleep(0)
+        long_wait.cancel()
+        await asyncio.wait([long_wait])  # ended: its clean-up would clear the deadline of a wait begun before it
+        started = loop.time()
+        with pytest.raises(TimeoutError):
+            await c.get(0.05)
+        assert loop.time() - started == pytest.approx(0.05, abs=0.002)
+
+    run_in_virtual_time(scenario)
 
 
 async def test_news_that_comes_as_the_timer_goes_off_is_delivered_not_lost() -> None:

@@ -3,7 +3,6 @@ adversarial review of issue 12: each test fails on the reviewed code for the rea
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
@@ -50,6 +49,7 @@ from tests.fakes.conversations import (
 )
 from tests.fakes.gateway import chat_service
 from tests.fakes.tenancy import api_key, local_admission
+from tests.helpers import wait_for
 
 BACKGROUND = {"model": "m", "input": "hi", "background": True, "max_output_tokens": 16}
 
@@ -88,7 +88,7 @@ async def test_a_background_response_deleted_right_after_it_ended_frees_its_slot
     service.queued(accepted, first)
     store.rows[first.id] = row(first.id, None, background=True)  # it completed...
     await service.delete(first.id, key)  # ...and its client deleted it at once
-    await asyncio.sleep(0.2)  # twenty polls of the hold
+    await wait_for(lambda: not service._holding, timeout_s=5, interval_s=0.01, what="the hold let go of the slot")
     await chat.drain()
     try:
         await service.create(body, key, client_addr=None, traceparent="tp")

@@ -13,6 +13,7 @@ from aiokafka.consumer.fetcher import Fetcher
 
 from runtime.kafka_clients import make_admin, make_consumer, make_producer, stop_consumer
 from runtime.settings import KafkaSettings
+from tests.helpers import wait_for
 
 
 async def test_a_follower_polls_long_and_every_other_consumer_short() -> None:
@@ -55,6 +56,15 @@ async def test_no_client_spins_on_metadata_updates_while_no_broker_answers(caplo
     assert 0 < failed <= 3 * 4, f"{failed} failed metadata updates in 0.5 s from 3 clients"
 
 
+def _awaiting(task: asyncio.Task[object]) -> list[str]:
+    """The coroutines a task is suspended in, outermost first (empty: not started, running or done)."""
+    names, coro = [], task.get_coro()
+    while getattr(coro, "cr_await", None) is not None:
+        names.append(coro.cr_code.co_name)  # type: ignore[union-attr]
+        coro = coro.cr_await  # type: ignore[union-attr]
+    return names
+
+
 async def test_a_consumer_stops_whole_while_a_fetch_waits_out_its_back_off() -> None:
     """restart-broker: a worker stopping on a fatal error exited with a bare CancelledError out of aiokafka's
     ``consumer.stop()`` (its fetcher awaits a fetch it cancelled, and a fetch whose broker is away sleeps its retry
@@ -64,12 +74,13 @@ async def test_a_consumer_stops_whole_while_a_fetch_waits_out_its_back_off() -> 
     client = consumer._client
     client._sync_task = asyncio.create_task(client._md_synchronizer())
     fetcher = consumer._fetcher = Fetcher(client, consumer._subscription, retry_backoff_ms=5_000)
-    await asyncio.sleep(0.05)  # its routine waits for an assignment
+    await wait_for(lambda: _awaiting(fetcher._fetch_task), timeout_s=5, interval_s=0.01,
+                   what="the fetcher's routine waiting for an assignment")
     request = SimpleNamespace(topics=[])  # never sent: no connection to node 0
     fetch = asyncio.create_task(fetcher._proc_fetch_request(None, 0, request))
     fetcher._pending_tasks.add(fetch)
-    await asyncio.sleep(0.05)
-    assert not fetch.done(), "the fetch failed (no such node) and sleeps its back-off"
+    await wait_for(lambda: "sleep" in _awaiting(fetch), timeout_s=5, interval_s=0.01,
+                   what="the fetch failed (no such node) and sleeps its back-off")
     await stop_consumer(consumer)
     assert client._sync_task is None, "the client was not closed"
     assert all(task.done() for task in fetcher._pending_tasks)

@@ -109,13 +109,13 @@ def test_a_stop_signal_during_the_restart_delay_is_not_lost(supervise: Callable[
 
 def test_a_stop_signal_to_the_supervisors_group_reaches_the_child_once(supervise: Callable[[str], Supervised],
                                                                        tmp_path: Path) -> None:
-    got = tmp_path / "got"
+    got, ready = tmp_path / "got", tmp_path / "ready"
     # The child counts the SIGTERMs it gets until 1 s after the first one, then exits.
     sup = supervise(f"signal.signal(signal.SIGTERM, lambda *_: open({str(got)!r}, 'a').write('TERM\\n'))\n"
+                    f"open({str(ready)!r}, 'w').close()\n"
                     f"while not os.path.exists({str(got)!r}):\n    time.sleep(0.05)\n"
                     "time.sleep(1)\nsys.exit(0)")
-    sup.wait_for(lambda: sup.pids())
-    time.sleep(0.5)  # the child has installed its handler
+    sup.wait_for(ready.exists)  # the child has installed its handler
     os.killpg(sup.proc.pid, signal.SIGTERM)  # as `kns stack down` and the test fixtures stop a service
     assert sup.proc.wait(10) == 0
     assert got.read_text().split() == ["TERM"]
@@ -150,15 +150,18 @@ def test_what_a_dead_child_left_behind_is_stopped_before_the_restart(supervise: 
     assert sup.proc.wait(10) == 0
 
 
-def test_a_child_that_does_not_stop_is_killed_on_a_second_signal(supervise: Callable[[str], Supervised]) -> None:
-    sup = supervise("signal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(300)")
-    sup.wait_for(lambda: sup.pids())
-    time.sleep(0.5)
+def test_a_child_that_does_not_stop_is_killed_on_a_second_signal(supervise: Callable[[str], Supervised],
+                                                                  tmp_path: Path) -> None:
+    got, ready = tmp_path / "got", tmp_path / "ready"
+    # The child notes each SIGTERM and carries on: it does not stop.
+    sup = supervise(f"signal.signal(signal.SIGTERM, lambda *_: open({str(got)!r}, 'a').write('TERM\\n'))\n"
+                    f"open({str(ready)!r}, 'w').close()\ntime.sleep(300)")
+    sup.wait_for(ready.exists)  # the child has installed its handler
     child: Proc | None = read_proc(sup.pids()[0])
     assert child is not None
     os.kill(sup.proc.pid, signal.SIGTERM)
-    time.sleep(0.5)
-    assert is_alive(child)  # ignored: it would get SIGKILL after the stop timeout (30 s)
+    sup.wait_for(got.exists)  # passed on: the child got it, and did not stop
+    assert is_alive(child)  # no SIGKILL before the stop timeout (30 s)
     os.kill(sup.proc.pid, signal.SIGINT)  # a second Ctrl-C: now
     assert sup.proc.wait(10) == 128 + signal.SIGKILL
     assert not is_alive(child)

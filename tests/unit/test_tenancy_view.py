@@ -10,6 +10,7 @@ from aiokafka import TopicPartition
 from producers.tenancy.view import ApiKey, Refusal, TenancyView
 from runtime.settings import KafkaSettings
 from schemas.events import KeyRecord, OrgRecord, utcnow
+from tests.helpers import wait_for
 
 TP = TopicPartition("keys", 0)
 
@@ -58,7 +59,7 @@ async def test_a_miss_during_a_round_waits_for_the_next_round() -> None:
     consumer.release.set()
     await _apply_up_to(view, 1)
     assert await first is True
-    await asyncio.sleep(0.01)
+    await wait_for(lambda: consumer.asked == 2, timeout_s=5, interval_s=0, what="the second round's lookup")
     assert not second.done(), "the second caller was answered from a round older than its key"
     await _apply_up_to(view, 2)
     assert await second is True and await third is True

@@ -1,7 +1,8 @@
 """The gateway's memory of key suspensions (``KeySuspensions.reason``): one Redis read per key per interval, shared
 by the requests that wait for it; a suspension or lift made here is seen here at once; once started, the answers
 of the keys in use are read again ahead of time, so their requests do not wait for Redis, and never outlive the
-interval. Redis is a fake (pure logic: the real one is exercised by the abuse e2e tests)."""
+interval. Redis is a fake (pure logic: the real one is exercised by the abuse e2e tests); the tests about intervals
+run on a virtual clock (the cache's clock is the event loop's)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from producers.gateway.keys import KeySuspensions
 from runtime.settings import RedisSettings
+from tests.helpers import in_virtual_time
 
 
 class FakeSession:
@@ -87,7 +89,8 @@ async def refreshing(redis: FakeRedis, remember_s: float) -> AsyncIterator[KeySu
 def suspensions(redis: FakeRedis, remember_s: float = 0.25) -> KeySuspensions:
     session: Any = FakeSession()
     fake: Any = redis
-    return KeySuspensions(session, "ks", fake, RedisSettings(), remember_s=remember_s)
+    return KeySuspensions(session, "ks", fake, RedisSettings(), remember_s=remember_s,
+                          clock=asyncio.get_running_loop().time)
 
 
 async def test_requests_waiting_together_share_one_read() -> None:
@@ -102,6 +105,7 @@ async def test_requests_waiting_together_share_one_read() -> None:
     assert await s.reason("k1") is None and redis.gets == 1  # remembered
 
 
+@in_virtual_time
 async def test_a_suspension_in_redis_is_seen_after_the_interval() -> None:
     redis = FakeRedis()
     s = suspensions(redis, remember_s=0.05)
@@ -153,6 +157,7 @@ async def test_redis_down_is_not_remembered() -> None:
     assert redis.gets == 2
 
 
+@in_virtual_time
 async def test_a_key_in_use_is_read_ahead_and_its_requests_do_not_wait_for_redis() -> None:
     redis = FakeRedis()
     async with refreshing(redis, remember_s=0.1) as s:
@@ -165,6 +170,7 @@ async def test_a_key_in_use_is_read_ahead_and_its_requests_do_not_wait_for_redis
         assert redis.gets == 1 and redis.round_trips >= 2
 
 
+@in_virtual_time
 async def test_a_suspension_reaches_a_key_in_use_within_the_interval() -> None:
     redis = FakeRedis()
     async with refreshing(redis, remember_s=0.1) as s:
@@ -175,6 +181,7 @@ async def test_a_suspension_reaches_a_key_in_use_within_the_interval() -> None:
         assert redis.gets == 1  # the refresher's read brought it
 
 
+@in_virtual_time
 async def test_an_answer_the_refresher_cannot_renew_is_not_used_past_the_interval() -> None:
     redis = FakeRedis()
     async with refreshing(redis, remember_s=0.1) as s:
@@ -206,6 +213,7 @@ async def test_a_refresh_under_way_does_not_undo_a_suspension_made_here(monkeypa
     assert await s.reason("k1") == "abuse"
 
 
+@in_virtual_time
 async def test_keys_unused_for_a_while_are_no_longer_read() -> None:
     redis = FakeRedis()
     s = suspensions(redis, remember_s=60)
@@ -237,6 +245,7 @@ class SlowReplyRedis(FakeRedis):
         return value
 
 
+@in_virtual_time
 async def test_a_request_never_joins_a_read_older_than_the_interval() -> None:
     """Review: a request joined the read under way however long ago it began, and could be let through on an
     answer from before a suspension that reached Redis many intervals earlier."""
@@ -254,6 +263,7 @@ async def test_a_request_never_joins_a_read_older_than_the_interval() -> None:
     assert await late == "abuse"
 
 
+@in_virtual_time
 async def test_the_refresher_reads_at_most_its_cap_the_most_recently_asked_first() -> None:
     redis = FakeRedis()
     s = suspensions(redis, remember_s=60)
@@ -268,6 +278,7 @@ async def test_the_refresher_reads_at_most_its_cap_the_most_recently_asked_first
     assert s._known["k3"][1] == "abuse" and s._known["k1"][1] is None  # k1, asked first, was left out
 
 
+@in_virtual_time
 async def test_a_refresher_that_meets_an_unexpected_error_goes_on() -> None:
     redis = FakeRedis()
     s = suspensions(redis, remember_s=0.05)
@@ -280,6 +291,6 @@ async def test_a_refresher_that_meets_an_unexpected_error_goes_on() -> None:
 
     s.refresh = refresh  # type: ignore[method-assign]
     s.start()
-    await asyncio.sleep(0.1)
-    assert failures >= 2 and s._refresher is not None and not s._refresher.done()
+    await asyncio.sleep(0.11)
+    assert failures == 4 and s._refresher is not None and not s._refresher.done()  # every remember_s / 2
     await s.stop()

@@ -243,11 +243,12 @@ class _Llm:
             raise
 
 
+@pytest.mark.vllm  # vLLM's own SamplingParams and TokensPrompt, through VllmEngine
 async def test_a_dropped_head_start_is_aborted_in_vllm_when_drop_returns() -> None:
     """Review: the adapter iterated vLLM's generator without closing it, so closing ours left vLLM's request to the
     garbage collector's asyncgen hook (a turn or more later, after the takeover's own generation could start)."""
     llm = _Llm()
     head = HeadStart(VllmEngine(llm, {"scheduling_policy": "fcfs"}).generate("r#1", [1, 2], SamplingSpec(max_tokens=4)))
-    await asyncio.sleep(0.01)  # its first output is in
+    await asyncio.wait({head._first})  # its first output is in: vLLM's generator is suspended after a yield
     await head.drop()
     assert llm.aborted == ["r#1"]

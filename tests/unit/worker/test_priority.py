@@ -9,6 +9,7 @@ from aiokafka import TopicPartition
 
 from inference_workers.priority import STALL_S, WINDOW, PriorityGate
 from tests.fakes.priority import Clock, Consumer
+from tests.helpers import run_in_virtual_time
 
 HIGH, STD, LOW = (TopicPartition(t, 0) for t in ("q.high", "q.std", "q.low"))
 CLASSES = {"q.high": "high", "q.std": "standard", "q.low": "low"}
@@ -87,46 +88,44 @@ async def test_a_worker_that_admits_nothing_while_requests_wait_stops_choosing()
     assert await g.select() == [HIGH]
 
 
-async def test_the_depth_report_stays_quiet_while_the_loop_selects_and_looks_every_period_once_the_engine_is_full(
+def test_the_depth_report_stays_quiet_while_the_loop_selects_and_looks_every_period_once_the_engine_is_full(
         ) -> None:
     """select() looks at every queue on each poll; report_depth() looking as well only doubled the idle worker's
     cost (6 % of its CPU at c=1 by py-spy). A second review: told apart by the clock alone (a period after
     select()'s look), the report raced the loop's next poll, which comes a period later too, and looked anyway on
-    the stock loop. The gate's clock is frozen between steps: the test does not depend on how fast the box runs."""
-    consumer = Consumer({HIGH: 0, LOW: 0}, {HIGH: 0, LOW: 0})
-    clock = Clock()
-    g = PriorityGate(consumer, CLASSES, RANKS, min_share=0.1, refresh_s=0.0, clock=clock,
-                     position=consumer.positions.get)
-    looks = 0
-    look = g.waiting
+    the stock loop. The gate's clock is frozen between steps, and the report's periods run on a virtual clock:
+    "ten periods passed" means ten report wake-ups ran, however fast the box runs."""
+    async def scenario() -> None:
+        consumer = Consumer({HIGH: 0, LOW: 0}, {HIGH: 0, LOW: 0})
+        clock = Clock()
+        g = PriorityGate(consumer, CLASSES, RANKS, min_share=0.1, refresh_s=0.0, clock=clock,
+                         position=consumer.positions.get)
+        looks = 0
+        look = g.waiting
 
-    async def counted(assigned: set[TopicPartition]) -> dict[TopicPartition, int]:
-        nonlocal looks
-        looks += 1
-        return await look(assigned)
+        async def counted(assigned: set[TopicPartition]) -> dict[TopicPartition, int]:
+            nonlocal looks
+            looks += 1
+            return await look(assigned)
 
-    async def looks_grow() -> bool:
-        before = looks
-        for _ in range(200):
-            if looks > before:
-                return True
-            await asyncio.sleep(0.01)
-        return False
-
-    g.waiting = counted  # type: ignore[method-assign]
-    full = False
-    reporting = asyncio.create_task(g.report_depth(every_s=0.01, engine_full=lambda: full))
-    try:
-        await g.select()  # the consume loop polls at t = 0
-        await asyncio.sleep(0.1)  # ten report periods of real time, none of the gate's
-        assert looks == 1
-        clock.now = 0.0105  # a period and a bit since select(): its next poll is due, not late
-        await asyncio.sleep(0.05)
-        assert looks == 1
-        full = True  # the engine is full: the loop waits for room, no select()
-        assert await looks_grow(), "no look with the engine full"
+        g.waiting = counted  # type: ignore[method-assign]
         full = False
-        clock.now = 1.0  # room, but no select() for long (a slow batch, a back-off): the report stands in
-        assert await looks_grow(), "no look while the loop did not select"
-    finally:
-        reporting.cancel()
+        reporting = asyncio.create_task(g.report_depth(every_s=0.01, engine_full=lambda: full))
+        try:
+            await g.select()  # the consume loop polls at t = 0
+            await asyncio.sleep(0.105)  # ten report periods, none of the gate's clock
+            assert looks == 1
+            clock.now = 0.0105  # a period and a bit since select(): its next poll is due, not late
+            await asyncio.sleep(0.05)  # five more periods
+            assert looks == 1
+            full = True  # the engine is full: the loop waits for room, no select()
+            await asyncio.sleep(0.01)  # one period
+            assert looks == 2, "no look with the engine full"
+            full = False
+            clock.now = 1.0  # room, but no select() for long (a slow batch, a back-off): the report stands in
+            await asyncio.sleep(0.01)
+            assert looks == 3, "no look while the loop did not select"
+        finally:
+            reporting.cancel()
+
+    run_in_virtual_time(scenario)

@@ -9,6 +9,7 @@ from aiokafka import TopicPartition
 
 from inference_workers.priority import WINDOW, PriorityGate
 from tests.fakes.priority import Clock, Consumer
+from tests.helpers import run_in_virtual_time
 
 HIGH, STD, LOW = (TopicPartition(t, 0) for t in ("q.high", "q.std", "q.low"))
 CLASSES = {"q.high": "high", "q.std": "standard", "q.low": "low"}
@@ -84,23 +85,31 @@ async def test_a_slow_end_offset_lookup_does_not_hold_up_fetching() -> None:
     assert HIGH in selected
 
 
-async def test_a_slow_lookup_when_a_slot_frees_still_sees_a_high_request_that_arrived_while_the_engine_was_full(
+def test_a_slow_lookup_when_a_slot_frees_still_sees_a_high_request_that_arrived_while_the_engine_was_full(
         ) -> None:
     """Once in tests/e2e/test_priority.py: free requests queued behind a full engine took the freed slots
     ahead of an enterprise request that had arrived before. While the engine is full only ``report_depth`` looks
-    the paused queues' ends up (every second, then); the lookup select() starts when a slot frees took longer than
-    LOOKUP_WAIT_S on the loaded broker, so the gate chose from ends a second old, without the high request."""
-    consumer = Consumer({HIGH: 0, LOW: 30}, {HIGH: 0, LOW: 10})
-    consumer.paused_now = {HIGH, LOW}
-    g = PriorityGate(consumer, CLASSES, RANKS, min_share=0.1, refresh_s=0.02, position=consumer.positions.get)
-    for _ in range(WINDOW):
-        g.admitted(LOW)
-    assert await g.select() == [LOW]  # the ends are known: only low waits; then the engine is full
-    reporting = asyncio.create_task(g.report_depth())
-    try:
-        consumer.lookup_delay_s = 0.08  # every lookup from now on: longer than select() waits for one
-        consumer.ends[HIGH] = 1  # an enterprise request arrives
-        await asyncio.sleep(0.4)  # a slot frees well after it arrived
-        assert await g.select() == [HIGH]
-    finally:
-        reporting.cancel()
+    the paused queues' ends up (every REFRESH_WHILE_FULL_S, then); the lookup select() starts when a slot frees took
+    longer than LOOKUP_WAIT_S on the loaded broker, so the gate chose from ends a second old, without the high
+    request. On a virtual clock (the gate's clock is the loop's): the reports, the lookups and the freed slot come
+    in the order of their times, however loaded the machine."""
+    async def scenario() -> None:
+        consumer = Consumer({HIGH: 0, LOW: 30}, {HIGH: 0, LOW: 10})
+        consumer.paused_now = {HIGH, LOW}
+        g = PriorityGate(consumer, CLASSES, RANKS, min_share=0.1, refresh_s=0.02, clock=asyncio.get_running_loop().time,
+                         position=consumer.positions.get)
+        for _ in range(WINDOW):
+            g.admitted(LOW)
+        assert await g.select() == [LOW]  # the ends are known: only low waits; then the engine is full
+        reporting = asyncio.create_task(g.report_depth())
+        try:
+            consumer.lookup_delay_s = 0.08  # every lookup from now on: longer than select() waits for one
+            consumer.ends[HIGH] = 1  # an enterprise request arrives
+            await asyncio.sleep(0.4)  # a slot frees 0.4 s later (four report periods)
+            lookups = consumer.lookups
+            assert await g.select() == [HIGH]
+            assert consumer.lookups == lookups + 1, "select() did not look up: the slow lookup was not exercised"
+        finally:
+            reporting.cancel()
+
+    run_in_virtual_time(scenario)
