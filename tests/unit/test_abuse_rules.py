@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from runtime.settings import AbuseSettings, TierTable
+import os
+import subprocess
+import sys
+
+from runtime.settings import REPO_ROOT, AbuseSettings, TierTable
 from schemas.events import AbuseAction
 from stream_processors.abuse.rules import Rule, alert_id, decide, thresholds, window_start
 
@@ -28,10 +32,15 @@ def test_a_rule_fires_once_when_a_count_crosses_its_threshold() -> None:
     assert decide(0, 100, t) is AbuseAction.SUSPEND
 
 
-def test_alert_ids_are_deterministic_per_rule_key_window_and_action() -> None:
+def test_alert_ids_are_deterministic_per_rule_key_window_and_action_across_processes() -> None:
     start = window_start(1_700_000_007.5, 10)
     assert start == 1_700_000_000
     a = alert_id(Rule.REQUEST_BURST, "k1", start, AbuseAction.FLAG)
-    assert a == alert_id(Rule.REQUEST_BURST, "k1", start, AbuseAction.FLAG)
+    # the compaction key: another processor instance (another process, another string-hash seed) names it the same
+    other = subprocess.run([sys.executable, "-c", "from schemas.events import AbuseAction; from stream_processors."
+                            "abuse.rules import Rule, alert_id; print(alert_id(Rule.REQUEST_BURST, 'k1', "
+                            f"{start}, AbuseAction.FLAG))"], cwd=REPO_ROOT, capture_output=True, text=True,
+                           check=True, env={**os.environ, "PYTHONHASHSEED": "12345"})
+    assert other.stdout.strip() == a
     assert a != alert_id(Rule.REQUEST_BURST, "k1", start, AbuseAction.SUSPEND)
     assert a != alert_id(Rule.REQUEST_BURST, "k1", start + 10, AbuseAction.FLAG)

@@ -123,7 +123,17 @@ def test_unknown_writer_version_is_refused() -> None:
         codec_for(TokenEvent).encode_dict(token_event("x", 0).model_dump(), version=9)
 
 
-def test_may_carry_never_misses_a_request_of_the_record() -> None:
-    value = codec_for(TokenEvent).encode_dict(pack(_step(0, "chatcmpl-aaa", "chatcmpl-bbb")))
-    assert may_carry(value, b"chatcmpl-aaa") and may_carry(value, b"chatcmpl-bbb")
+@pytest.mark.parametrize("request_ids", [
+    ("chatcmpl-aaa",),
+    ("chatcmpl-aaa", "chatcmpl-bbb"),
+    ("r", "r1", "r12", "r123"),  # each a prefix of the next
+    ("chatcmpl-1", "xchatcmpl-1", "chatcmpl-10"),  # inside and around one another
+    ("résumé-é", "请求-一", "emoji-\U0001f600", "plain"),  # multi-byte UTF-8
+    tuple(f"chatcmpl-{i}" for i in range(40)),  # a full engine step
+])
+def test_may_carry_never_misses_a_request_of_the_record(request_ids: tuple[str, ...]) -> None:
+    """No false negative whatever the ids (a false positive only costs a decode): ids that are prefixes of one
+    another, multi-byte text, many per record; and an id the record does not hold is told apart."""
+    value = codec_for(TokenEvent).encode_dict(pack(_step(0, *request_ids)))
+    assert [rid for rid in request_ids if not may_carry(value, rid.encode())] == []
     assert not may_carry(value, b"chatcmpl-ccc")

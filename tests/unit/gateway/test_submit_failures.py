@@ -45,18 +45,20 @@ class TimedOutPublisher:
         self.cancelled.append(request_id)
 
 
-async def test_a_request_whose_produce_timed_out_is_cancelled_before_the_client_is_told_503() -> None:
-    """Promise 2 ('nothing billed for requests nobody received'). service.py:106-111: when ``submit`` raises
-    (a KafkaTimeoutError during a broker restart or leader move), the gateway unregisters the request and
-    answers 503 - and produces no CANCEL. If the record did reach the log (ack lost / sent after the error),
-    a worker generates the whole answer for nobody and bills it (its gateway is alive, so the presence check
-    never fires); the client, told to retry, is billed a second time for its retry."""
+async def test_a_request_whose_produce_timed_out_is_answered_503_with_its_cancel_already_under_way() -> None:
+    """Promise 2 ('nothing billed for requests nobody received'). When ``submit`` raises (a KafkaTimeoutError
+    during a broker restart or leader move), the first version unregistered the request and answered 503 - and
+    produced no CANCEL. If the record did reach the log (ack lost / sent after the error), a worker generated the
+    whole answer for nobody and billed it (its gateway is alive, so the presence check never fires); the client,
+    told to retry, was billed a second time for its retry. The cancel is produced in the background (the client is
+    not held up for it), started before the 503 is raised, so a handler cancelled once it answered cannot lose it."""
     publisher = TimedOutPublisher()
     chat = chat_service(publisher, Relay())
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
     with pytest.raises(ApiError) as raised:
         await chat.accept(body, api_key(), client_addr=None, traceparent="00-0-0-01")
     assert raised.value.status == 503
+    assert chat._background or publisher.cancelled, "no cancel under way when the client is told 503"
     await chat.drain()
     (request,) = publisher.submitted
     assert publisher.cancelled == [request.request_id], "no CANCEL for a request that may be in the queue"

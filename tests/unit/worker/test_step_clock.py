@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import subprocess
+import sys
 
 import pytest
 
 from inference_workers.synthetic import StepClock, engine_phase
+from runtime.settings import REPO_ROOT
 
 
 async def test_one_tick_wakes_every_waiter_and_a_cancelled_one_takes_nobody_with_it() -> None:
@@ -45,7 +49,11 @@ async def test_a_phased_clock_ticks_on_its_own_grid() -> None:
     assert abs((ticks[1] - ticks[0]) % 1.0 - 0.25) < 1e-6, ticks
 
 
-def test_engine_phases_differ_per_worker_and_stay_put() -> None:
+def test_engine_phases_differ_per_worker_and_stay_put_across_processes() -> None:
+    """Stays put: a restarted worker (another process, another string-hash seed) steps on the same phase."""
     phases = {engine_phase(f"relay-worker-ns-{i}") for i in range(8)}
     assert len(phases) == 8 and all(0 <= p < 1 for p in phases)
-    assert engine_phase("w") == engine_phase("w")
+    other = subprocess.run([sys.executable, "-c", "from inference_workers.synthetic import engine_phase; "
+                            "print(repr(engine_phase('w')))"], cwd=REPO_ROOT, capture_output=True, text=True,
+                           check=True, env={**os.environ, "PYTHONHASHSEED": "12345"})
+    assert float(other.stdout) == engine_phase("w")
