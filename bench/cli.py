@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import sys
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -12,11 +12,29 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from bench.common import save, stop_cleanly_on_sigterm
+from runtime.cli_tables import show
 from runtime.settings import load_settings
 
 app = typer.Typer(help="Benchmarks (JSON results in bench/results/).", no_args_is_help=True)
-# Wide tables stay whole when the output goes to a file (a terminal keeps its own width).
-console = Console(width=None if sys.stdout.isatty() else 160)
+console = Console()
+#: under --json the result file's JSON is all there is on stdout; what a benchmark says meanwhile goes here
+err = Console(stderr=True)
+JSON = typer.Option(False, "--json", help="Print the result (the JSON saved in bench/results) on stdout instead of "
+                    "tables; progress goes to stderr.")
+
+
+def _out(as_json: bool) -> Console:
+    return err if as_json else console
+
+
+def _say(out: Console, suffix: str = "") -> Any:
+    return lambda message: out.print(f"[dim]•[/dim] {message}{suffix}")
+
+
+def _saved(out: Console, as_json: bool, path: Path, *also: Path) -> None:
+    if as_json:
+        typer.echo(path.read_text(), nl=False)
+    out.print(f"[green]saved[/green] {' and '.join(str(p) for p in (path, *also))}")
 
 
 @app.callback()
@@ -25,39 +43,47 @@ def _bench() -> None:
 
 
 @app.command("billing")
-def billing(events: int = typer.Option(100_000, min=1000, help="Usage events to produce.")) -> None:
+def billing(events: int = typer.Option(100_000, min=1000, help="Usage events to produce."),
+            as_json: bool = JSON) -> None:
     """Export and reconcile on a usage topic of N events (own namespace and keyspace, removed after)."""
     from bench.billing_replay import run
 
-    result = asyncio.run(run(load_settings(), events, lambda msg: console.print(f"[dim]•[/dim] {msg}")))
-    table = Table(title=f"billing replay: {events} usage events")
+    out = _out(as_json)
+    result = asyncio.run(run(load_settings(), events, _say(out)))
+    if not as_json:
+        show(out, billing_table(result))
+        out.print(f"export parquet {result['export_seconds']['parquet']:.2f} s, csv "
+                  f"{result['export_seconds']['csv']:.2f} s; discrepancies {result['discrepancies']}")
+    _saved(out, as_json, save("billing-replay", result))
+
+
+def billing_table(result: dict[str, Any]) -> Table:
+    table = Table(title=f"billing replay: {result['events']} usage events")
     table.add_column("step")
     table.add_column("seconds", justify="right")
     for step, seconds in result["seconds"].items():
         table.add_row(step, f"{seconds:.2f}")
-    console.print(table)
-    console.print(f"export parquet {result['export_seconds']['parquet']:.2f} s, csv "
-                  f"{result['export_seconds']['csv']:.2f} s; discrepancies {result['discrepancies']}")
-    console.print(f"[green]saved[/green] {save('billing-replay', result)}")
+    return table
 
 
 @app.command("safety")
 def safety(
     requests: int = typer.Option(200, min=1), concurrency: int = typer.Option(4, min=1),
-    streams: int = typer.Option(10, min=1),
+    streams: int = typer.Option(10, min=1), as_json: bool = JSON,
 ) -> None:
     """Pre-filter latency (submitted → admitted) and post-filter slip, on the running stack."""
     from bench.safety_latency import run
 
+    out = _out(as_json)
     settings = load_settings()
     result = asyncio.run(run(settings, requests, concurrency, streams))
     pre, post = result["prefilter"]["added_latency_s"], result["postfilter"]
-    console.print(f"pre-filter added latency over {result['prefilter']['requests']} requests: "
-                  f"p50 {pre['p50'] * 1000:.1f} ms, p99 {pre['p99'] * 1000:.1f} ms")
-    console.print(f"post-filter: {post['halted']}/{len(post['streams'])} streams halted; decided at token "
-                  f"p50 {post['decided_at_token']['p50']}, slip p50 {post['slip_tokens']['p50']} "
-                  f"max {max((s['slip_tokens'] or 0) for s in post['streams'])} tokens")
-    console.print(f"[green]saved[/green] {save('safety', result)}")
+    out.print(f"pre-filter added latency over {result['prefilter']['requests']} requests: "
+              f"p50 {pre['p50'] * 1000:.1f} ms, p99 {pre['p99'] * 1000:.1f} ms")
+    out.print(f"post-filter: {post['halted']}/{len(post['streams'])} streams halted; decided at token "
+              f"p50 {post['decided_at_token']['p50']}, slip p50 {post['slip_tokens']['p50']} "
+              f"max {max((s['slip_tokens'] or 0) for s in post['streams'])} tokens")
+    _saved(out, as_json, save("safety", result))
 
 
 def _summary_table(title: str, summaries: list[dict[str, Any]]) -> Table:
@@ -91,6 +117,7 @@ def load(
     seed: int = typer.Option(0),
     ignore_eos: bool = typer.Option(True, help="Generate exactly max_tokens (servers that support it)."),
     label: str = typer.Option("", help="Name of the target in tables and plots."),
+    as_json: bool = JSON,
 ) -> None:
     """Stream chat completions against a server and measure TTFT, ITL, TPOT, E2E and throughput."""
     from bench.loadgen import Target, plan, run_load
@@ -112,22 +139,24 @@ def load(
         run = plan(target, shape, concurrency=concurrency, rate=rate)
     except WorkloadError as exc:
         raise typer.BadParameter(str(exc)) from exc
+    out = _out(as_json)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console) as bar:
+                  console=out) as bar:
         task = bar.add_task(label or target.base_url, total=requests)
         try:
             asyncio.run(run_load(run, progress=lambda done: bar.update(task, completed=done)))
         except KeyboardInterrupt:
             run.interrupted = True
-            console.print("[yellow]interrupted: keeping what was measured[/yellow]")
+            out.print("[yellow]interrupted: keeping what was measured[/yellow]")
     summary = run.summary()
-    console.print(_summary_table("load", [summary]))
+    if not as_json:
+        show(out, _summary_table("load", [summary]))
     for status, count in summary["errors"].items():
-        console.print(f"[red]{count} requests failed with status {status}[/red]; e.g. "
-                      f"{next(r.error for r in run.results if not r.ok and str(r.status or 'connection') == status)}")
+        out.print(f"[red]{count} requests failed with status {status}[/red]; e.g. "
+                  f"{next(r.error for r in run.results if not r.ok and str(r.status or 'connection') == status)}")
     path = save("load", run.as_json())
     png = plot_runs([run], path.with_suffix(".png"), f"load: {target.base_url}")
-    console.print(f"[green]saved[/green] {path} and {png}")
+    _saved(out, as_json, path, png)
     if run.interrupted:
         raise typer.Exit(130)  # what was measured is kept, but the run did not finish: never a success
 
@@ -143,6 +172,7 @@ def compare_command(
                                  "round, on prompts of its own."),
     vllm_server_nice: int = typer.Option(0, min=0, max=19, help="Renice vLLM's API server process (not its "
                                          "engine) to this level, as ours yield (cpu.yield_nice): a control."),
+    as_json: bool = JSON,
 ) -> None:
     """Our full pipeline vs vLLM's own OpenAI server: same model, same engine arguments, alternating rounds."""
     from bench.compare import compare
@@ -150,15 +180,16 @@ def compare_command(
     from bench.workload import Shape, WorkloadError
     from ops.stack.manager import StackManager
 
+    out = _out(as_json)
     settings = load_settings()
     busy = [s.name for s in asyncio.run(StackManager(settings).status()) if s.pid and not s.name.startswith(
         ("kafka", "cassandra", "redis"))]
     if busy:
-        console.print(f"[yellow]note:[/yellow] {', '.join(busy)} of the dev stack are running; idle, they cost "
-                      "little, but for quiet figures stop them (kns stack down -s worker ...).")
+        out.print(f"[yellow]note:[/yellow] {', '.join(busy)} of the dev stack are running; idle, they cost "
+                  "little, but for quiet figures stop them (kns stack down -s worker ...).")
     if rounds % 2:
-        console.print(f"[yellow]note:[/yellow] with {rounds} rounds one side goes first once more than the other; "
-                      "an even number gives both the first turn as often.")
+        out.print(f"[yellow]note:[/yellow] with {rounds} rounds one side goes first once more than the other; "
+                  "an even number gives both the first turn as often.")
     shape = Shape("fixed", requests, input_len, output_len, 0, settings.model.max_model_len)
     try:
         shape.validate()
@@ -166,18 +197,34 @@ def compare_command(
         raise typer.BadParameter(str(exc)) from exc
     results, runs = asyncio.run(compare(settings, concurrencies=concurrency, rounds=rounds, shape=shape,
                                         with_referee=referee, vllm_server_nice=vllm_server_nice,
-                                        report=lambda m: console.print(f"[dim]•[/dim] {m}")))
-    show_comparison(results)
+                                        report=_say(out)))
+    if not as_json:
+        show_comparison(results, out)
     path = save("compare", results)
     png = plot_runs(runs, path.with_suffix(".png"), "ours vs vLLM's server (all rounds)")
-    console.print(f"[green]saved[/green] {path} and {png}")
+    _saved(out, as_json, path, png)
 
 
-def show_comparison(results: dict[str, Any]) -> None:
+def show_comparison(results: dict[str, Any], out: Console = console) -> None:
     from bench.compare import referee_measured
 
     for label, description in results["sides"].items():
-        console.print(f"[bold]{label}[/bold]: {description}")
+        out.print(f"[bold]{label}[/bold]: {description}")
+    show(out, comparison_table(results))
+    for table in cpu_tables(results):
+        show(out, table)
+    if "referee" in results:
+        for c, data in results["referee"].items():
+            for side, rounds_ in data["rounds"].items():
+                for run in rounds_:
+                    if not referee_measured(run):
+                        why = (str(run["error"]) if "error" in run
+                               else f"no request completed ({run.get('failed')} failed)")
+                        out.print(f"[red]a referee round failed on {side} (c={c}):[/red] {why[-300:]}")
+        show(out, referee_table(results))
+
+
+def comparison_table(results: dict[str, Any]) -> Table:
     table = Table(title="ours vs vLLM (medians over rounds)")
     for column in ("conc.", "side", "out tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "errors"):
         table.add_column(column, justify="right")
@@ -193,7 +240,11 @@ def show_comparison(results: dict[str, Any]) -> None:
         r = data["ours_vs_vllm"]
         diffs = [f"{r[k]:+.1f}" for k in ("ttft_p50_diff_ms", "ttft_p99_diff_ms", "itl_p50_diff_ms", "itl_p99_diff_ms")]
         table.add_row(c, "ours/vLLM", f"{r['output_tokens_per_s_ratio']}x", *diffs, "")
-    console.print(table)
+    return table
+
+
+def cpu_tables(results: dict[str, Any]) -> list[Table]:
+    tables = []
     for c, data in results["concurrency"].items():
         cpu = Table(title=f"where the time goes, concurrency {c}: CPU seconds per 1000 output tokens (median)")
         cpu.add_column("process")
@@ -205,56 +256,60 @@ def show_comparison(results: dict[str, Any]) -> None:
             cpu.add_row(name, *cells)
         cpu.add_row("total", f"{sum(ours.values()):.2f}", f"{sum(theirs.values()):.2f}")
         if ours or theirs:
-            console.print(cpu)
-    if "referee" in results:
-        ref = Table(title="referee: vllm bench serve (its own figures, medians over rounds)")
-        for column in ("conc.", "side", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
-                       "failed"):
-            ref.add_column(column, justify="right")
+            tables.append(cpu)
+    return tables
 
-        def num(value: float | None, fmt: str = ".1f") -> str:
-            return "-" if value is None else format(value, fmt)
 
-        for c, data in results["referee"].items():
-            for side in ("ours", "vllm"):
-                a = data[side]
-                failed = f"{a['failed']}" + (f", rounds lost: {a['failed_rounds']}" if a["failed_rounds"] else "")
-                if a["rounds"] < a["of_rounds"]:
-                    failed += f" (medians of {a['rounds']}/{a['of_rounds']} rounds)"
-                ref.add_row(c, side, num(a["output_throughput"]), num(a["median_ttft_ms"]), num(a["p99_ttft_ms"]),
-                            num(a["median_itl_ms"]), num(a["p99_itl_ms"]), failed)
-            r = data["ours_vs_vllm"]
-            ratio = "-" if r["output_tokens_per_s_ratio"] is None else f"{r['output_tokens_per_s_ratio']}x"
-            ref.add_row(c, "ours/vLLM", ratio, *(num(r[f"{k}_diff_ms"], "+.1f") for k in (
-                "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")), "")
-            for side, rounds_ in data["rounds"].items():
-                for run in rounds_:
-                    if not referee_measured(run):
-                        why = (str(run["error"]) if "error" in run
-                               else f"no request completed ({run.get('failed')} failed)")
-                        console.print(f"[red]a referee round failed on {side} (c={c}):[/red] {why[-300:]}")
-        console.print(ref)
+def referee_table(results: dict[str, Any]) -> Table:
+    ref = Table(title="referee: vllm bench serve (its own figures, medians over rounds)")
+    for column in ("conc.", "side", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
+                   "failed"):
+        ref.add_column(column, justify="right")
+
+    def num(value: float | None, fmt: str = ".1f") -> str:
+        return "-" if value is None else format(value, fmt)
+
+    for c, data in results["referee"].items():
+        for side in ("ours", "vllm"):
+            a = data[side]
+            failed = f"{a['failed']}" + (f", rounds lost: {a['failed_rounds']}" if a["failed_rounds"] else "")
+            if a["rounds"] < a["of_rounds"]:
+                failed += f" (medians of {a['rounds']}/{a['of_rounds']} rounds)"
+            ref.add_row(c, side, num(a["output_throughput"]), num(a["median_ttft_ms"]), num(a["p99_ttft_ms"]),
+                        num(a["median_itl_ms"]), num(a["p99_itl_ms"]), failed)
+        r = data["ours_vs_vllm"]
+        ratio = "-" if r["output_tokens_per_s_ratio"] is None else f"{r['output_tokens_per_s_ratio']}x"
+        ref.add_row(c, "ours/vLLM", ratio, *(num(r[f"{k}_diff_ms"], "+.1f") for k in (
+            "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")), "")
+    return ref
 
 
 @app.command("kafka-hop")
 def kafka_hop(
     wait: list[int] = typer.Option([5, 100, 500], "--fetch-max-wait-ms", help="Consumer fetch waits to compare."),
     records: int = typer.Option(500, min=10), gap_ms: float = typer.Option(20.0, help="Pause between records."),
+    as_json: bool = JSON,
 ) -> None:
     """Kafka produce → consume latency on this machine, per consumer fetch wait, the consumer in the producer's
     process and in its own (as the pipeline's hops), with the clients' CPU."""
     from bench.kafka_hop import run
 
+    out = _out(as_json)
     results = asyncio.run(run(load_settings().kafka, wait, records, gap_ms / 1000))
-    table = Table(title=f"Kafka hop, {records} records, one every {gap_ms:g} ms")
+    if not as_json:
+        show(out, kafka_hop_table(results, f"Kafka hop, {records} records, one every {gap_ms:g} ms"))
+    _saved(out, as_json, save("kafka-hop", {"results": results}))
+
+
+def kafka_hop_table(results: list[dict[str, Any]], title: str) -> Table:
+    table = Table(title=title)
     for column in ("fetch_max_wait_ms", "consumer", "p50 ms", "p90 ms", "p99 ms", "client CPU (cores)"):
         table.add_column(column, justify="right")
     for r in results:
         h = r["hop_s"]
         table.add_row(str(r["fetch_max_wait_ms"]), r["consumer"], f"{h['p50'] * 1000:.2f}", f"{h['p90'] * 1000:.2f}",
                       f"{h['p99'] * 1000:.2f}", f"{r['client_cpu_share_of_one_core']:.3f}")
-    console.print(table)
-    console.print(f"[green]saved[/green] {save('kafka-hop', {'results': results})}")
+    return table
 
 
 @app.command("relay")
@@ -280,60 +335,68 @@ def relay(
     ramp_s: float = typer.Option(60.0, help="C: the held streams start evenly over this long."),
     held_workers: int = typer.Option(1, help="C: synthetic workers (each an engine stepping on a phase of its own, "
                                              "as a fleet's engines do)."),
+    as_json: bool = JSON,
 ) -> None:
     """Relay capacity: A. demultiplexer events/s; B. concurrent SSE streams before TTFT/ITL p99 degrade;
     C. idle-heavy streams held open at once."""
     from bench.relay import Placement, demux_capacity, stream_capacity
 
+    out = _out(as_json)
     settings = load_settings()
     placement = Placement.split() if pin else Placement()
     level = [n for n in level if n > 0]  # --streams 0: no part B
-    console.print(f"[dim]placement: {placement.describe()}; token records from: {source}[/dim]")
+    out.print(f"[dim]placement: {placement.describe()}; token records from: {source}[/dim]")
     packed = asyncio.run(demux_capacity(settings, events, requests, per_record=256))
     single = asyncio.run(demux_capacity(settings, events, requests, per_record=1))
     result: dict[str, Any] = {"demux": packed, "demux_one_per_record": single}
     for d in (single, packed):
-        console.print(f"A. one relay demultiplexes {d['events_per_s']:,} token events/s "
-                      f"({d['events']:,} events of {d['requests']} requests, {d['deltas_per_record']} per record, "
-                      f"{d['seconds']:.2f} s)")
+        out.print(f"A. one relay demultiplexes {d['events_per_s']:,} token events/s "
+                  f"({d['events']:,} events of {d['requests']} requests, {d['deltas_per_record']} per record, "
+                  f"{d['seconds']:.2f} s)")
     if not skip_streams:
         import uvloop  # the clients' event loop is part of what is measured: the fast one
 
         runs = [uvloop.run(stream_capacity(settings, level, tokens, rate, ttft_limit_ms / 1000, itl_limit_ms / 1000,
-                                           lambda m: console.print(f"[dim]•[/dim] {m}"), record_version=int(v),
+                                           _say(out), record_version=int(v),
                                            gateway_processes=gateway_processes, placement=placement,
                                            ramp_s=streams_ramp_s, source=source))
                 for v in record_versions.split(",")] if level else []
         if held:
             runs.append(uvloop.run(stream_capacity(
                 settings, [held], held_tokens, held_rate, ttft_limit_ms / 1000, 2 / held_rate,
-                lambda m: console.print(f"[dim]•[/dim] {m} (idle-heavy, started over {ramp_s:g} s)"),
+                _say(out, f" (idle-heavy, started over {ramp_s:g} s)"),
                 ramp_s=ramp_s, gateway_processes=gateway_processes, placement=placement, workers=held_workers)))
             result["held"] = runs[-1]
         result["stream_runs"] = runs
-        table = Table(title=f"SSE streams through {gateway_processes} gateway process(es)")
-        for column in ("records", "streams", "tok/s each", "done", "relayed events/s", "gateway cores",
-                       "gateway µs/event", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "ok"):
-            table.add_column(column, justify="right")
-        for run_ in runs:
-            for lv in run_["levels"]:
-                table.add_row(f"v{run_['record_version']}", str(lv["streams"]), f"{run_['tokens_per_s_per_stream']:g}",
-                              str(lv["completed"]), str(lv["relayed_events_per_s"]), str(lv["gateway_cores_busy"]),
-                              str(lv["gateway_us_per_event"]),
-                              *(f"{lv[m][q] * 1000:.0f}" if lv[m][q] is not None else "-"
-                                for m in ("ttft_s", "itl_s") for q in ("p50", "p99")),
-                              "yes" if lv["ok"] else "[red]no[/red]")
-        console.print(table)
-        for run_ in runs:
-            for lv in run_["levels"]:
-                busy = ", ".join(f"{k} {v:.2f}" for k, v in sorted(lv["cpu_cores"].items(), key=lambda kv: -kv[1]))
-                console.print(f"  v{run_['record_version']} {lv['streams']} streams, CPU cores busy: {busy}")
-                stages = "; ".join(f"{name} p50 ≤ {st['p50_le'] * 1000:g} ms, p99 ≤ {st['p99_le'] * 1000:g} ms"
-                                   for name, st in lv.get("stages", {}).items())
-                console.print(f"    [dim]{stages}[/dim]")
-                tenths = ", ".join("-" if t is None else f"{t * 1000:.0f}" for t in lv.get("ttft_p99_s_by_tenth", []))
-                console.print(f"    [dim]TTFT p99 (ms) of each tenth of the streams, in start order: {tenths}[/dim]")
-    console.print(f"[green]saved[/green] {save('relay', result)}")
+        if not as_json:
+            show(out, relay_table(runs, gateway_processes))
+            for run_ in runs:
+                for lv in run_["levels"]:
+                    busy = ", ".join(f"{k} {v:.2f}" for k, v in sorted(lv["cpu_cores"].items(), key=lambda kv: -kv[1]))
+                    out.print(f"  v{run_['record_version']} {lv['streams']} streams, CPU cores busy: {busy}")
+                    stages = "; ".join(f"{name} p50 ≤ {st['p50_le'] * 1000:g} ms, p99 ≤ {st['p99_le'] * 1000:g} ms"
+                                       for name, st in lv.get("stages", {}).items())
+                    out.print(f"    [dim]{stages}[/dim]")
+                    tenths = ", ".join("-" if t is None else f"{t * 1000:.0f}"
+                                       for t in lv.get("ttft_p99_s_by_tenth", []))
+                    out.print(f"    [dim]TTFT p99 (ms) of each tenth of the streams, in start order: {tenths}[/dim]")
+    _saved(out, as_json, save("relay", result))
+
+
+def relay_table(runs: list[dict[str, Any]], gateway_processes: int) -> Table:
+    table = Table(title=f"SSE streams through {gateway_processes} gateway process(es)")
+    for column in ("records", "streams", "tok/s each", "done", "relayed events/s", "gateway cores",
+                   "gateway µs/event", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "ok"):
+        table.add_column(column, justify="right")
+    for run_ in runs:
+        for lv in run_["levels"]:
+            table.add_row(f"v{run_['record_version']}", str(lv["streams"]), f"{run_['tokens_per_s_per_stream']:g}",
+                          str(lv["completed"]), str(lv["relayed_events_per_s"]), str(lv["gateway_cores_busy"]),
+                          str(lv["gateway_us_per_event"]),
+                          *(f"{lv[m][q] * 1000:.0f}" if lv[m][q] is not None else "-"
+                            for m in ("ttft_s", "itl_s") for q in ("p50", "p99")),
+                          "yes" if lv["ok"] else "[red]no[/red]")
+    return table
 
 
 @app.command("limiter")
@@ -342,12 +405,21 @@ def limiter(
     tasks: int = typer.Option(64, min=1, help="Tasks calling at once (admissions per second)."),
     seconds: float = typer.Option(8.0, min=1, help="Length of each throughput run."),
     concurrency: int = typer.Option(64, min=1, help="HTTP clients at once against one gateway."),
+    as_json: bool = JSON,
 ) -> None:
     """What the key check and the rate limiter add per request, and what one gateway process admits per second."""
     from bench.limiter import run
 
+    out = _out(as_json)
     result = asyncio.run(run(load_settings(), requests=requests, tasks=tasks, seconds=seconds,
-                             concurrency=concurrency, say=lambda msg: console.print(f"[dim]•[/dim] {msg}")))
+                             concurrency=concurrency, say=_say(out)))
+    if not as_json:
+        for table in limiter_tables(result):
+            show(out, table)
+    _saved(out, as_json, save("limiter", result))
+
+
+def limiter_tables(result: dict[str, Any]) -> list[Table]:
     table = Table(title="key check and limiter, in one process (real Redis)")
     for column in ("step", "p50 ms", "p99 ms", "per second (one process)"):
         table.add_column(column, justify="right" if column != "step" else "left")
@@ -355,18 +427,16 @@ def limiter(
     for step, latency in result["in_process"]["latency_s"].items():
         table.add_row(step, f"{latency['p50'] * 1000:.3f}", f"{latency['p99'] * 1000:.3f}",
                       str(rates.get(step, "")))
-    console.print(table)
     http = Table(title="one gateway process over HTTP (synthetic engine)")
     for column in ("requests", "per second", "p50 ms", "p99 ms", "statuses", "CPU s (gateway / worker / client)"):
-        http.add_column(column)
+        http.add_column(column, overflow="fold" if column == "statuses" else "ellipsis")
     for name, row in result["http"].items():
         cpu = row["cpu_s"]
         http.add_row(name, str(row["per_second"]), f"{row['latency_s']['p50'] * 1000:.1f}",
                      f"{row['latency_s']['p99'] * 1000:.1f}", str(row["statuses"]),
                      f"{cpu.get('gateway', 0):.1f} / {sum(v for k, v in cpu.items() if k.startswith('worker')):.1f}"
                      f" / {cpu.get('load client', 0):.1f}")
-    console.print(http)
-    console.print(f"[green]saved[/green] {save('limiter', result)}")
+    return [table, http]
 
 
 @app.command("priority")
@@ -374,13 +444,22 @@ def priority(
     slots: int = typer.Option(8, min=1, help="Requests the (synthetic) engine runs at once."),
     backlog: int = typer.Option(64, min=1, help="Free-tier requests sent at once."),
     urgent: int = typer.Option(12, min=1, help="Enterprise requests sent one every 0.5 s during the backlog."),
+    as_json: bool = JSON,
 ) -> None:
     """Priority classes under saturation: the queue wait of enterprise and free requests, gate on and off."""
     from bench.priority import run
 
-    result = asyncio.run(run(load_settings(), slots=slots, backlog=backlog, urgent=urgent,
-                             say=lambda msg: console.print(f"[dim]•[/dim] {msg}")))
-    table = Table(title=f"queue wait under saturation ({slots} slots, {backlog} free queued, {urgent} enterprise)")
+    out = _out(as_json)
+    result = asyncio.run(run(load_settings(), slots=slots, backlog=backlog, urgent=urgent, say=_say(out)))
+    if not as_json:
+        show(out, priority_table(result))
+    _saved(out, as_json, save("priority", result))
+
+
+def priority_table(result: dict[str, Any]) -> Table:
+    shape = result["shape"]
+    table = Table(title=f"queue wait under saturation ({shape['slots']} slots, {shape['backlog']} free queued, "
+                        f"{shape['urgent']} enterprise)")
     for column in ("gate", "class", "completed", "TTFT p50 s", "TTFT p99 s"):
         table.add_column(column)
     for run_ in result["runs"]:
@@ -388,8 +467,7 @@ def priority(
             row = run_[name]
             table.add_row("on" if run_["gate"] else "off", name, f"{row['completed']}/{row['sent']}",
                           f"{row['ttft_s']['p50']:.2f}", f"{row['ttft_s']['p99']:.2f}")
-    console.print(table)
-    console.print(f"[green]saved[/green] {save('priority', result)}")
+    return table
 
 
 @app.command("failover")
@@ -399,13 +477,21 @@ def failover(
     concurrency: int = typer.Option(8, min=2, help="Streams at once."),
     tokens: int = typer.Option(120, min=20, help="Tokens per stream."),
     port_base: int = typer.Option(17700, help="First port of the bench stack's services."),
+    as_json: bool = JSON,
 ) -> None:
     """Worker failover: the gap from a worker's SIGKILL to its streams' next token, lease on vs off."""
     from bench.failover import run
 
+    out = _out(as_json)
     settings = load_settings()
     result = asyncio.run(run(settings, kills=kills, baseline_kills=baseline_kills, concurrency=concurrency,
-                             tokens=tokens, port_base=port_base, say=lambda m: console.print(f"[dim]•[/dim] {m}")))
+                             tokens=tokens, port_base=port_base, say=_say(out)))
+    if not as_json:
+        show(out, failover_table(result))
+    _saved(out, as_json, save("failover", result))
+
+
+def failover_table(result: dict[str, Any]) -> Table:
     table = Table(title="worker failover: SIGKILL → next token")
     for column in ("detection", "kills", "streams", "gap p50", "gap p99", "gap max"):
         table.add_column(column, justify="right")
@@ -416,8 +502,7 @@ def failover(
         cell = (lambda v: "-" if v is None else f"{v:.2f} s")  # noqa: E731
         table.add_row(label, str(part["kills"]), str(part["samples"]), cell(gap["p50"]), cell(gap["p99"]),
                       cell(max((g for r in part["rounds"] for g in r["gaps_s"]), default=None)))
-    console.print(table)
-    console.print(f"[green]saved[/green] {save('failover', result)}")
+    return table
 
 
 @app.command("transport")
@@ -427,6 +512,7 @@ def transport(
     rounds: int = typer.Option(2, min=1, help="Waves of streams per concurrency."),
     tokens: int = typer.Option(64, min=2, help="Tokens per stream."),
     port_base: int = typer.Option(17800, help="First port of the bench stack's services."),
+    as_json: bool = JSON,
 ) -> None:
     """Kafka records and bytes per generated token: one record per delta (v2) vs one per engine step (v3)."""
     from bench.transport import run
@@ -434,9 +520,16 @@ def transport(
     def parse(text: str) -> list[int]:
         return [int(v) for v in text.split(",") if v.strip()]
 
+    out = _out(as_json)
     result = asyncio.run(run(load_settings(), levels=parse(levels), vllm_levels=parse(vllm_levels), rounds=rounds,
-                             tokens=tokens, port_base=port_base, say=lambda m: console.print(f"[dim]•[/dim] {m}")))
-    table = Table(title=f"token transport ({tokens} tokens per stream, {rounds} waves)")
+                             tokens=tokens, port_base=port_base, say=_say(out)))
+    if not as_json:
+        show(out, transport_table(result))
+    _saved(out, as_json, save("transport", result))
+
+
+def transport_table(result: dict[str, Any]) -> Table:
+    table = Table(title=f"token transport ({result['tokens_per_stream']} tokens per stream, {result['rounds']} waves)")
     for column in ("engine", "c", "records", "records/token v2", "records/token v3", "bytes/token v2",
                    "bytes/token v3", "deltas/record v3", "completed"):
         table.add_column(column, justify="right")
@@ -449,26 +542,34 @@ def transport(
                       str(old.get("records_per_token", "-")), str(row["records_per_token"]),
                       str(old.get("bytes_per_token", "-")), str(row["bytes_per_token"]), str(row["deltas_per_record"]),
                       f"{row['completed']}/{row['streams']}")
-    console.print(table)
-    console.print(f"[green]saved[/green] {save('transport', result)}")
+    return table
 
 
 @app.command("capacity")
 def capacity(
     write: str | None = typer.Option(None, help="Rewrite the measured section of this Markdown file "
                                      "(docs/CAPACITY.md) between its capacity markers."),
+    as_json: bool = JSON,
 ) -> None:
     """The capacity model: fleet sizes for the seeds' peak and a 10x smaller load, from the newest relay and
     transport results in bench/results and the assumptions in bench/capacity.py."""
-    from pathlib import Path
-
     from bench.capacity import markdown, report, write_into
 
+    out = _out(as_json)
     result = report()
     m = result["measured"]
-    console.print(f"gateway: {m['gateway_s_per_request'] * 1e3:.2f} ms/request + "
-                  f"{m['gateway_s_per_event'] * 1e6:.1f} µs/event; {m['streams_per_gateway']:,} streams/process; "
-                  f"Kafka {m['records_per_token']:.3f} records and {m['bytes_per_token']:.0f} bytes per token")
+    out.print(f"gateway: {m['gateway_s_per_request'] * 1e3:.2f} ms/request + "
+              f"{m['gateway_s_per_event'] * 1e6:.1f} µs/event; {m['streams_per_gateway']:,} streams/process; "
+              f"Kafka {m['records_per_token']:.3f} records and {m['bytes_per_token']:.0f} bytes per token")
+    if not as_json:
+        show(out, capacity_table(result))
+    if write:
+        write_into(Path(write), markdown(result))
+        out.print(f"[green]wrote[/green] {write}")
+    _saved(out, as_json, save("capacity", result))
+
+
+def capacity_table(result: dict[str, Any]) -> Table:
     table = Table(title="capacity plan")
     for column in ("load", "model", "streams", "gateway procs", "brokers", "token partitions", "Cassandra",
                    "Redis", "GPUs"):
@@ -478,11 +579,7 @@ def capacity(
                       f"{p['gateway']['processes']:,} ({p['gateway']['bound_by']})", str(p["kafka"]["brokers"]),
                       f"{p['kafka']['token_partitions']:,}", str(p["cassandra_nodes"]), str(p["redis_shards"]),
                       f"{p['gpu']['gpus']:,}")
-    console.print(table)
-    if write:
-        write_into(Path(write), markdown(result))
-        console.print(f"[green]wrote[/green] {write}")
-    console.print(f"[green]saved[/green] {save('capacity', result)}")
+    return table
 
 
 @app.command("scale")
@@ -493,6 +590,7 @@ def scale(
     tokens: int = typer.Option(100, help="Tokens per stream."),
     rate: float = typer.Option(50.0, help="Tokens per second per sequence (synthetic engine)."),
     max_seqs: int = typer.Option(32, help="Sequences one worker runs at once."),
+    as_json: bool = JSON,
 ) -> None:
     """Horizontal scaling on one box: delivered tokens/s for workers x gateway processes, and what saturates."""
     import uvloop
@@ -502,14 +600,22 @@ def scale(
     def parse(text: str) -> list[int]:
         return [int(v) for v in text.split(",") if v.strip()]
 
+    out = _out(as_json)
     result = uvloop.run(run(load_settings(), workers=parse(workers), gateways=parse(gateways), streams=streams,
-                            tokens=tokens, rate=rate, max_seqs=max_seqs,
-                            say=lambda m: console.print(f"[dim]•[/dim] {m}")))
-    table = Table(title=f"{streams} streams x {tokens} tokens at {rate:g}/s, {max_seqs} sequences per worker, "
-                        f"{result['cores']} cores")
+                            tokens=tokens, rate=rate, max_seqs=max_seqs, say=_say(out)))
+    if not as_json:
+        show(out, scale_table(result))
+    _saved(out, as_json, save("scale", result))
+
+
+def scale_table(result: dict[str, Any]) -> Table:
+    table = Table(title=f"{result['streams']} streams x {result['tokens_per_stream']} tokens at "
+                        f"{result['tokens_per_s_per_stream']:g}/s, {result['max_seqs_per_worker']} sequences per "
+                        f"worker, {result['cores']} cores")
     for column in ("workers", "gateway procs", "done", "delivered tok/s", "engines' tok/s", "share",
                    "busiest worker", "TTFT p50", "CPU busy (cores)", "saturated"):
-        table.add_column(column, justify="right")
+        table.add_column(column, justify="right", overflow="fold" if column in ("CPU busy (cores)", "saturated")
+                         else "ellipsis")
     for row in result["rows"]:
         busy = ", ".join(f"{k} {v:.2f}" for k, v in sorted(row["cpu_cores"].items(), key=lambda kv: -kv[1])[:4])
         ttft = row["ttft_s"]["p50"]
@@ -518,8 +624,7 @@ def scale(
                       f"{row['busiest_worker_load']}x",
                       f"{ttft * 1000:.0f}" if ttft is not None else "-", f"{row['cpu_total']} ({busy})",
                       row["saturated"])
-    console.print(table)
-    console.print(f"[green]saved[/green] {save('scale', result)}")
+    return table
 
 
 @app.command("affinity")
@@ -527,15 +632,28 @@ def affinity(
     conversations: int = typer.Option(4, min=1, help="Conversations per setup (their turns run one at a time)."),
     turns: int = typer.Option(10, min=2, help="Turns per conversation."),
     output_tokens: int = typer.Option(16, min=1, help="max_output_tokens of each turn."),
+    as_json: bool = JSON,
 ) -> None:
     """Prefix-cache affinity: cached prompt tokens and TTFT of multi-turn conversations on two workers, with the
     turns of a conversation keyed by it (one worker) and without."""
     from bench.affinity import run
 
+    out = _out(as_json)
     result = asyncio.run(run(load_settings(), conversations=conversations, turns=turns,
-                             output_tokens=output_tokens, say=lambda m: console.print(f"[dim]•[/dim] {m}")))
-    table = Table(title=f"{conversations} conversations x {turns} turns on 2 workers: engine-reported cached "
-                        "prompt tokens (median) and TTFT (median, client-side)")
+                             output_tokens=output_tokens, say=_say(out)))
+    if not as_json:
+        show(out, affinity_table(result))
+        for label in ("affinity", "none"):
+            setup = result["setups"][label]
+            out.print(f"{label}: cached share of prompt tokens (turns 2+) {setup['cached_share_turns_2_on']}, "
+                      f"TTFT p50 {setup['ttft_s_p50_turns_2_on']} s, errors {setup['errors']}")
+        out.print(f"TTFT p50 without affinity / with: {result['ttft_p50_ratio_none_over_affinity']}x")
+    _saved(out, as_json, save("affinity", result))
+
+
+def affinity_table(result: dict[str, Any]) -> Table:
+    table = Table(title=f"{result['conversations']} conversations x {result['turns']} turns on 2 workers: "
+                        "engine-reported cached prompt tokens (median) and TTFT (median, client-side)")
     table.add_column("turn", justify="right")
     for label in ("affinity", "none"):
         table.add_column(f"{label}: cached / prompt", justify="right")
@@ -548,10 +666,4 @@ def affinity(
             cells += [f"{row['cached_tokens_p50']:.0f} / {row['input_tokens_p50']:.0f}",
                       f"{row['ttft_s_p50'] * 1000:.0f}"]
         table.add_row(str(turn), *cells)
-    console.print(table)
-    for label in ("affinity", "none"):
-        setup = setups[label]
-        console.print(f"{label}: cached share of prompt tokens (turns 2+) {setup['cached_share_turns_2_on']}, "
-                      f"TTFT p50 {setup['ttft_s_p50_turns_2_on']} s, errors {setup['errors']}")
-    console.print(f"TTFT p50 without affinity / with: {result['ttft_p50_ratio_none_over_affinity']}x")
-    console.print(f"[green]saved[/green] {save('affinity', result)}")
+    return table

@@ -27,6 +27,7 @@ from billing.prices import Price, PriceLead, PriceRefused, PriceStore
 from billing.reconcile import ACTIONS, FINAL, Report, reconcile
 from billing.replay import UsageReplay, replay_usage
 from runtime.cassandra_client import connect_async
+from runtime.cli_tables import emit_json, show
 from runtime.redis_client import make_redis
 from runtime.retry import TRANSIENT
 from runtime.settings import Settings, load_settings
@@ -36,6 +37,7 @@ T = TypeVar("T")
 app = typer.Typer(help="Billing: reconcile, export, prices.", no_args_is_help=True)
 console = Console()
 err = Console(stderr=True, soft_wrap=True)
+JSON = typer.Option(False, "--json", help="Print JSON instead of a table, for scripts.")
 
 
 def _fail(message: str) -> typer.Exit:
@@ -77,9 +79,9 @@ def _range(start: str | None, end: str | None) -> tuple[datetime, datetime]:
     return begin, finish
 
 
-async def _replay(settings: Settings, start: datetime, end: datetime) -> UsageReplay:
+async def _replay(settings: Settings, start: datetime, end: datetime, *, quiet: bool = False) -> UsageReplay:
     with Progress(TextColumn("replaying usage"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as bar:
+                  console=err if quiet else console, transient=True) as bar:
         task = bar.add_task("replay", total=None)
         return await replay_usage(settings.kafka, start, end,
                                   progress=lambda done, total: bar.update(task, completed=done, total=total))
@@ -91,7 +93,7 @@ def _cells(t: Totals | None) -> list[str]:
     return [str(t.requests), str(t.prompt_tokens), str(t.completion_tokens), f"{t.cost:.8f}"]
 
 
-def show(report: Report, limit: int = 20) -> None:
+def reconcile_table(report: Report) -> Table:
     table = Table(title="usage topic (expected) vs ledger, per org and model")
     for column in ("org", "model", "requests", "prompt", "completion", "cost USD", "ledger requests",
                    "ledger prompt", "ledger completion", "ledger cost USD", ""):
@@ -100,7 +102,11 @@ def show(report: Report, limit: int = 20) -> None:
         want, got = report.expected.get(key), report.actual.get(key)
         mark = "[green]ok[/green]" if want == got else "[red]DIFF[/red]"
         table.add_row(key[0], key[1], *_cells(want), *_cells(got), mark)
-    console.print(table)
+    return table
+
+
+def show_report(report: Report, limit: int = 20) -> None:
+    show(console, reconcile_table(report))
     console.print(f"{report.replayed} committed usage records, {report.duplicates} duplicates of an earlier record "
                   f"(billed once), {len(report.discrepancies)} discrepancies")
     for d in report.discrepancies[:limit]:
@@ -115,6 +121,28 @@ def show(report: Report, limit: int = 20) -> None:
                       "operator")
 
 
+def _totals_json(t: Totals | None) -> dict[str, Any] | None:
+    return None if t is None else {"requests": t.requests, "prompt_tokens": t.prompt_tokens,
+                                   "completion_tokens": t.completion_tokens, "cached_tokens": t.cached_tokens,
+                                   "cost_usd": str(t.cost)}
+
+
+def report_json(report: Report, repaired: Report | None = None) -> dict[str, Any]:
+    """The report as ``--json`` prints it; ``repaired``: the report of the repair run before it, if any."""
+    keys = sorted(report.expected.keys() | report.actual.keys())
+    out: dict[str, Any] = {
+        "clean": report.clean, "replayed": report.replayed, "duplicates": report.duplicates,
+        "rows": [{"org_id": org, "model": model, "expected": _totals_json(report.expected.get((org, model))),
+                  "ledger": _totals_json(report.actual.get((org, model))),
+                  "ok": report.expected.get((org, model)) == report.actual.get((org, model))} for org, model in keys],
+        "discrepancies": [{"request_id": d.request_id, "kind": d.kind, "detail": d.detail,
+                           "repair": d.repair.action if d.repair else None} for d in report.discrepancies]}
+    if repaired is not None:
+        out["repair"] = {"repaired": repaired.repaired, "by_action": repaired.repaired_by_action,
+                         "skipped": [d.request_id for d in repaired.skipped]}
+    return out
+
+
 def show_repairs(report: Report) -> None:
     actions = ", ".join(f"{report.repaired_by_action.get(a, 0)} {text}" for a, text in ACTIONS.items())
     console.print(f"[yellow]repaired {report.repaired} rows[/yellow] ({actions})")
@@ -123,30 +151,34 @@ def show_repairs(report: Report) -> None:
                       "(billed with another version meanwhile)")
 
 
-async def _reconcile(start: datetime, end: datetime, repair: bool, org: str | None) -> Report:
+async def _reconcile(start: datetime, end: datetime, repair: bool, org: str | None, *, quiet: bool = False
+                     ) -> tuple[Report, Report | None]:
     settings = load_settings()
     redis = make_redis(settings.redis)
     try:
-        return await _reconcile_with(settings, SpendBook(redis, settings.redis), start, end, repair, org)
+        return await _reconcile_with(settings, SpendBook(redis, settings.redis), start, end, repair, org, quiet=quiet)
     finally:
         await redis.aclose()
 
 
 async def _reconcile_with(settings: Settings, spend: SpendBook, start: datetime, end: datetime, repair: bool,
-                          org: str | None) -> Report:
+                          org: str | None, *, quiet: bool = False) -> tuple[Report, Report | None]:
+    """The report, and with ``repair`` the report of the repair run it checked again after (``quiet``: nothing
+    printed, for ``--json``)."""
     async with _cassandra(settings) as session:
         ledger = await Ledger.open(session, settings.cassandra.keyspace)
         prices = await (await _store(session, settings)).load()
-        replay = await _replay(settings, start, end)
+        replay = await _replay(settings, start, end, quiet=quiet)
         report = await reconcile(ledger, prices, replay, start, end, repair=repair, org_id=org, spend=spend)
         if repair and (report.repaired or report.skipped):
-            show(report)
-            show_repairs(report)
-            console.print("checking again")
-            report = await reconcile(ledger, prices, replay, start, end, repair=False, org_id=org)
-        elif repair:
+            if not quiet:
+                show_report(report)
+                show_repairs(report)
+                console.print("checking again")
+            return await reconcile(ledger, prices, replay, start, end, repair=False, org_id=org), report
+        if repair and not quiet:
             console.print("nothing that --repair may change")
-        return report
+        return report, None
 
 
 @app.command("reconcile")
@@ -159,11 +191,16 @@ def reconcile_command(
         "views from their row. Never re-prices a billed row: rows billed with a version the price table no longer "
         "applies are reported, not changed. Idempotent."),
     org: str | None = typer.Option(None, help="Only this organisation."),
+    as_json: bool = JSON,
 ) -> None:
     """Replay the usage topic for a range and diff it against the ledger; exit 1 on any discrepancy."""
     begin, finish = _range(start, end)
-    report = _run(_reconcile(begin, finish, repair, org))
-    show(report)
+    report, repaired = _run(_reconcile(begin, finish, repair, org, quiet=as_json))
+    if as_json:
+        emit_json({"start": begin.isoformat(), "end": finish.isoformat(), "org_id": org,
+                   **report_json(report, repaired)})
+    else:
+        show_report(report)
     raise typer.Exit(0 if report.clean else 1)
 
 
@@ -183,7 +220,7 @@ def export_command(
 
 
 @app.command("prices")
-def prices_command() -> None:
+def prices_command(as_json: bool = JSON) -> None:
     """The price table: every version of every model's price."""
 
     async def load() -> list[Price]:
@@ -191,13 +228,23 @@ def prices_command() -> None:
         async with _cassandra(settings) as session:
             return (await (await _store(session, settings)).load()).all()
 
+    prices = sorted(_run(load()), key=lambda p: (p.model, p.valid_from))
+    if as_json:
+        emit_json([{"model": p.model, "valid_from": p.valid_from.isoformat(), "version": p.version,
+                    "input_per_mtok": str(p.input_per_mtok), "cached_input_per_mtok": str(p.cached_input_per_mtok),
+                    "output_per_mtok": str(p.output_per_mtok)} for p in prices])
+    else:
+        show(console, prices_table(prices))
+
+
+def prices_table(prices: list[Price]) -> Table:
     table = Table(title="prices (USD per 1M tokens)")
     for column in ("model", "valid from", "version", "input", "cached input", "output"):
         table.add_column(column)
-    for p in sorted(_run(load()), key=lambda p: (p.model, p.valid_from)):
+    for p in prices:
         table.add_row(p.model, p.valid_from.isoformat(), p.version, str(p.input_per_mtok),
                       str(p.cached_input_per_mtok), str(p.output_per_mtok))
-    console.print(table)
+    return table
 
 
 def _money(option: str, value: str) -> Decimal:
@@ -266,6 +313,7 @@ def spend_command(
     month: str | None = typer.Option(None, help="YYYY-MM (UTC; default: this month)."),
     repair: bool = typer.Option(False, "--repair", help="Charge every ledger row of the month to the spend again "
                                 "(after Redis lost its data): rows already charged count once; holds are kept."),
+    as_json: bool = JSON,
 ) -> None:
     """An org's monthly spend as admission sees it (Redis: billed + holds in flight) against the ledger's sum;
     exit 1 when they disagree (and it was not repaired)."""
@@ -275,6 +323,21 @@ def spend_command(
     except ValueError:
         raise typer.BadParameter("--month must be YYYY-MM") from None
     spend, ledger_nanos, repaired = _run(_spend(org, month, repair))
+    agrees = (repaired or spend).billed_nanos == ledger_nanos
+    if as_json:
+        def side(s: Spend) -> dict[str, Any]:
+            return {"billed_usd": str(usd(s.billed_nanos)), "held_usd": str(usd(s.reserved_nanos)), "holds": s.holds}
+
+        emit_json({"org_id": org, "month": month, "redis": side(spend), "ledger_usd": str(usd(ledger_nanos)),
+                   "repaired": None if repaired is None else side(repaired), "agrees": agrees})
+    else:
+        show(console, spend_table(org, month, spend, ledger_nanos, repaired))
+    if not agrees:
+        err.print("billed spend differs from the ledger: run with --repair (or wait for billing to catch up)")
+    raise typer.Exit(0 if agrees else 1)
+
+
+def spend_table(org: str, month: str, spend: Spend, ledger_nanos: int, repaired: Spend | None) -> Table:
     table = Table(title=f"spend of {org} in {month} (USD)")
     for column in ("", "billed", "held in flight", "requests in flight", "ledger"):
         table.add_column(column, justify="right")
@@ -283,8 +346,4 @@ def spend_command(
     if repaired is not None:
         table.add_row("repaired", str(usd(repaired.billed_nanos)), str(usd(repaired.reserved_nanos)),
                       str(repaired.holds), str(usd(ledger_nanos)))
-    console.print(table)
-    agrees = (repaired or spend).billed_nanos == ledger_nanos
-    if not agrees:
-        err.print("billed spend differs from the ledger: run with --repair (or wait for billing to catch up)")
-    raise typer.Exit(0 if agrees else 1)
+    return table

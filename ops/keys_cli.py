@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 from decimal import Decimal, InvalidOperation
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 import typer
 from pydantic import ValidationError
@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from producers.gateway.keys import KeySuspensions
+from producers.gateway.routes.admin import key_json, org_json
 from producers.tenancy.admin import (
     MICROS,
     OPERATORS_ORG,
@@ -28,6 +29,7 @@ from producers.tenancy.admin import (
     open_admin,
 )
 from runtime.cassandra_client import connect_async
+from runtime.cli_tables import emit_json, show
 from runtime.redis_client import make_redis
 from runtime.settings import load_settings
 from schemas.events import KeyRecord, OrgRecord
@@ -36,6 +38,8 @@ app = typer.Typer(help="API keys.", no_args_is_help=True)
 orgs_app = typer.Typer(help="Organizations: tier, limits, budget.", no_args_is_help=True)
 console = Console()
 T = TypeVar("T")
+#: ``--json``: what the command shows, as the admin API answers it
+JSON = typer.Option(False, "--json", help="Print JSON (the admin API's shape) instead of a table, for scripts.")
 
 
 def _run(use: Callable[[TenancyAdmin], Awaitable[T]]) -> T:
@@ -72,11 +76,25 @@ def _org_table(orgs: list[OrgRecord]) -> Table:
 def _key_table(keys: list[KeyRecord]) -> Table:
     table = Table(title="API keys")
     for column in ("key_id", "org_id", "name", "models", "expires", "revoked", "created"):
-        table.add_column(column)
+        table.add_column(column, overflow="fold" if column == "models" else "ellipsis")
     for key in keys:
         table.add_row(key.key_id, key.org_id, key.name, ", ".join(key.models) or "all",
                       str(key.expires_at or "-"), str(key.revoked_at or "-"), str(key.created_at))
     return table
+
+
+def _print_orgs(orgs: list[OrgRecord], as_json: bool) -> None:
+    if as_json:
+        emit_json([org_json(org) for org in orgs])
+    else:
+        show(console, _org_table(orgs))
+
+
+def _print_keys(keys: list[KeyRecord], as_json: bool) -> None:
+    if as_json:
+        emit_json([key_json(key) for key in keys])
+    else:
+        show(console, _key_table(keys))
 
 
 def _print_issued(issued: IssuedKey) -> None:
@@ -94,6 +112,7 @@ def create_org(
     tpm: int | None = typer.Option(None, help="Tokens per minute, instead of the tier's."),
     concurrent: int | None = typer.Option(None, help="Requests in flight at once, instead of the tier's."),
     budget_usd: str | None = typer.Option(None, help="Monthly budget in USD."),
+    as_json: bool = JSON,
 ) -> None:
     """Create an organization."""
     def spec() -> OrgCreate:
@@ -103,7 +122,7 @@ def create_org(
             "monthly_budget_usd": None if budget_usd is None else Decimal(budget_usd)})
 
     org = _run(lambda admin: admin.create_org(spec()))
-    console.print(_org_table([org]))
+    _print_orgs([org], as_json)
 
 
 @orgs_app.command("update")
@@ -111,6 +130,7 @@ def update_org(
     org_id: str = typer.Argument(...),
     tier: str | None = typer.Option(None, help="A new tier."),
     budget_usd: str | None = typer.Option(None, help="A new monthly budget in USD ('none' removes it)."),
+    as_json: bool = JSON,
 ) -> None:
     """Change an org's tier or budget (at once, on every gateway)."""
     def change() -> OrgUpdate:
@@ -120,15 +140,15 @@ def update_org(
         return OrgUpdate.model_validate(fields)
 
     org = _run(lambda admin: admin.update_org(org_id, change()))
-    console.print(_org_table([org]))
+    _print_orgs([org], as_json)
 
 
 @orgs_app.command("list")
-def list_orgs() -> None:
+def list_orgs(as_json: bool = JSON) -> None:
     """List organizations."""
     async def go(admin: TenancyAdmin) -> list[OrgRecord]:
         return admin.orgs()
-    console.print(_org_table(_run(go)))
+    _print_orgs(_run(go), as_json)
 
 
 @app.command()
@@ -151,11 +171,12 @@ def create_admin(name: str = typer.Option("operator", help="A label for humans."
 
 
 @app.command("list")
-def list_keys(org: str = typer.Option(..., help="The organisation whose keys to list.")) -> None:
+def list_keys(org: str = typer.Option(..., help="The organisation whose keys to list."),
+              as_json: bool = JSON) -> None:
     """List an org's keys (never their secrets)."""
     async def go(admin: TenancyAdmin) -> list[KeyRecord]:
         return admin.keys(org)
-    console.print(_key_table(_run(go)))
+    _print_keys(_run(go), as_json)
 
 
 @app.command()
@@ -166,10 +187,10 @@ def rotate(key_id: str = typer.Argument(...),
 
 
 @app.command()
-def revoke(key_id: str = typer.Argument(...)) -> None:
+def revoke(key_id: str = typer.Argument(...), as_json: bool = JSON) -> None:
     """Revoke a key: 401 on every gateway within a second."""
     key = _run(lambda admin: admin.revoke_key(key_id))
-    console.print(_key_table([key]))
+    _print_keys([key], as_json)
 
 
 async def _suspensions(action: str, key_id: str | None = None) -> object:
@@ -195,12 +216,23 @@ def unsuspend(key_id: str = typer.Argument(..., help="The key_id of a suspended 
 
 
 @app.command()
-def suspended() -> None:
+def suspended(as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table, for scripts.")
+              ) -> None:
     """List suspended keys and why."""
-    rows = asyncio.run(_suspensions("list"))
+    rows = cast(list[dict[str, Any]], asyncio.run(_suspensions("list")))
+    if as_json:
+        emit_json(rows)
+    else:
+        show(console, suspended_table(rows))
+
+
+def suspended_table(rows: list[dict[str, Any]]) -> Table:
     table = Table(title="suspended keys")
-    for column in ("key_id", "org_id", "reason", "alert_id", "since"):
+    for column in ("key_id", "org_id"):
         table.add_column(column)
-    for row in rows:  # type: ignore[attr-defined]
+    table.add_column("reason", overflow="fold")
+    for column in ("alert_id", "since"):
+        table.add_column(column)
+    for row in rows:
         table.add_row(row["key_id"], row["org_id"], row["reason"], row["alert_id"], str(row["suspended_at"]))
-    console.print(table)
+    return table

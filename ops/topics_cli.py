@@ -7,14 +7,19 @@ of an answer went through Kafka.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
+from typing import Any
 
 import typer
 from aiokafka import ConsumerRecord
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
+from runtime.cli_tables import emit_json, show
 from runtime.kafka_clients import all_partitions, consume, make_consumer
 from runtime.settings import KafkaSettings, load_settings
 from schemas.codec import codec_for
@@ -22,6 +27,7 @@ from schemas.events import TokenEvent
 from schemas.topics import TOPICS
 
 console = Console()
+err = Console(stderr=True)
 
 
 async def _end_offsets(kafka: KafkaSettings) -> dict[str, int]:
@@ -39,26 +45,36 @@ async def _end_offsets(kafka: KafkaSettings) -> dict[str, int]:
         await consumer.stop()
 
 
-def topics() -> None:
+def topics(as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table, for scripts.")) -> None:
     """The topic map, with each topic's offset range now (records plus transaction markers)."""
     kafka = load_settings().kafka
     counts = asyncio.run(_end_offsets(kafka))
+    rows = [{"topic": kafka.topic(spec.name), "event": spec.event.__name__ if spec.event else "raw", "key": spec.key,
+             "partitions": spec.partitions, "retention_ms": spec.retention_ms, "offsets": counts.get(spec.name),
+             "producers": list(spec.producers), "consumers": list(spec.consumers)} for spec in TOPICS.all()]
+    if as_json:
+        emit_json(rows)
+    else:
+        show(console, topics_table(rows))
+
+
+def topics_table(rows: list[dict[str, Any]]) -> Table:
     table = Table(title="topics")
     for column in ("topic", "event", "key", "partitions", "retention", "offsets", "producers → consumers"):
-        table.add_column(column)
-    for spec in TOPICS.all():
-        retention = "forever" if spec.retention_ms < 0 else f"{spec.retention_ms / 3_600_000:g} h"
-        event = spec.event.__name__ if spec.event else "raw"
-        table.add_row(kafka.topic(spec.name), event, spec.key, str(spec.partitions), retention,
-                      str(counts.get(spec.name, "?")), f"{', '.join(spec.producers)} → {', '.join(spec.consumers)}")
-    console.print(table)
+        table.add_column(column, overflow="fold" if column in ("key", "producers → consumers") else "ellipsis")
+    for row in rows:
+        retention = "forever" if row["retention_ms"] < 0 else f"{row['retention_ms'] / 3_600_000:g} h"
+        offsets = "?" if row["offsets"] is None else str(row["offsets"])
+        table.add_row(row["topic"], row["event"], row["key"], str(row["partitions"]), retention, offsets,
+                      f"{', '.join(row['producers'])} → {', '.join(row['consumers'])}")
+    return table
 
 
 async def _read_tokens(kafka: KafkaSettings, request_id: str | None, since_s: float, follow: bool,
-                       table: Table | None) -> int:
+                       shown: Callable[[dict[str, Any]], None]) -> int:
     consumer = make_consumer(kafka, role="ops-tokens", isolation="read_uncommitted")
     await consumer.start()
-    shown = 0
+    count = 0
     try:
         partitions = await all_partitions(consumer, kafka.topic(TOPICS.tokens.name))
         consumer.assign(partitions)
@@ -73,19 +89,15 @@ async def _read_tokens(kafka: KafkaSettings, request_id: str | None, since_s: fl
         stop = asyncio.Event()
 
         async def show(packed: TokenEvent, record: ConsumerRecord[bytes, bytes]) -> None:
-            nonlocal shown
+            nonlocal count
             for event in packed.split():  # one record per engine step: several requests' deltas
                 if request_id and event.request_id != request_id:
                     continue
-                shown += 1
-                row = (str(record.partition), str(record.offset),
-                       datetime.fromtimestamp(record.timestamp / 1000, UTC).strftime("%H:%M:%S.%f")[:-3],
-                       event.request_id, str(event.attempt), str(event.seq), str(event.token_ids), repr(event.text),
-                       event.finish_reason or "")
-                if table is not None:
-                    table.add_row(*row)
-                else:
-                    console.print("  ".join(row))
+                count += 1
+                shown({"partition": record.partition, "offset": record.offset,
+                       "time": datetime.fromtimestamp(record.timestamp / 1000, UTC).isoformat(timespec="milliseconds"),
+                       "request_id": event.request_id, "attempt": event.attempt, "seq": event.seq,
+                       "token_ids": event.token_ids, "text": event.text, "finish_reason": event.finish_reason})
 
         async def caught_up() -> None:
             if follow:
@@ -99,22 +111,45 @@ async def _read_tokens(kafka: KafkaSettings, request_id: str | None, since_s: fl
         await consume(consumer, codec_for(TokenEvent), show, stop=stop, on_batch_end=caught_up)
     finally:
         await consumer.stop()
-    return shown
+    return count
+
+
+def _cells(row: dict[str, Any]) -> list[str]:
+    return [str(row["partition"]), str(row["offset"]), row["time"][11:23], row["request_id"], str(row["attempt"]),
+            str(row["seq"]), str(row["token_ids"]), repr(row["text"]), row["finish_reason"] or ""]
+
+
+def tokens_table(rows: list[dict[str, Any]], title: str) -> Table:
+    table = Table(title=title)
+    for column in ("partition", "offset", "time", "request", "attempt", "seq", "token ids", "text", "finish"):
+        table.add_column(column, overflow="fold" if column in ("token ids", "text") else "ellipsis")
+    for row in rows:
+        table.add_row(*(escape(cell) for cell in _cells(row)))
+    return table
 
 
 def tokens(
     request_id: str | None = typer.Option(None, "--request-id", "-r", help="Only this request's events."),
     since: float = typer.Option(3600, help="Read records from this many seconds ago."),
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new records."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table, for scripts: an array, or "
+                                 "with --follow one object per line as records arrive."),
 ) -> None:
     """Decode token events from the token topic (every token of every answer passes through it)."""
     kafka = load_settings().kafka
-    table = None
-    if not follow:
-        table = Table(title=f"{kafka.topic(TOPICS.tokens.name)}" + (f" · {request_id}" if request_id else ""))
-        for column in ("partition", "offset", "time", "request", "attempt", "seq", "token ids", "text", "finish"):
-            table.add_column(column)
-    shown = asyncio.run(_read_tokens(kafka, request_id, since, follow, table))
-    if table is not None:
-        console.print(table)
-    console.print(f"[dim]{shown} token events[/dim]")
+    rows: list[dict[str, Any]] = []
+
+    def shown(row: dict[str, Any]) -> None:
+        if not follow:
+            rows.append(row)
+        elif as_json:
+            typer.echo(json.dumps(row))
+        else:
+            console.print("  ".join(_cells(row)), markup=False, highlight=False)
+
+    count = asyncio.run(_read_tokens(kafka, request_id, since, follow, shown))
+    if as_json and not follow:
+        emit_json(rows)
+    elif not follow:
+        show(console, tokens_table(rows, kafka.topic(TOPICS.tokens.name) + (f" · {request_id}" if request_id else "")))
+    (err if as_json else console).print(f"[dim]{count} token events[/dim]")

@@ -11,9 +11,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ops.stack.manager import StackManager
+from ops.stack.manager import ServiceStatus, StackManager
 from ops.stack.process import tail
 from ops.stack.services import StackError
+from runtime.cli_tables import emit_json, show
 from runtime.settings import load_settings
 
 app = typer.Typer(help="The local stack: Kafka, Cassandra, Redis, the inference worker and the gateway.",
@@ -76,20 +77,30 @@ def _human(size: int) -> str:
 
 
 @app.command()
-def status() -> None:
+def status(as_json: bool = typer.Option(False, "--json", help="The services as JSON, for scripts.")) -> None:
     """A table of the services: pid, ports, health, data size."""
     rows = asyncio.run(_manager().status())
+    if as_json:
+        emit_json([{"service": r.name, "pid": r.pid, "ports": r.ports, "healthy": r.healthy,
+                    "data_bytes": r.data_bytes, "endpoint": r.details} for r in rows])
+        return
+    show(console, status_table(rows))
+
+
+def status_table(rows: list[ServiceStatus]) -> Table:
     table = Table(title="kns local stack")
-    for column in ("service", "pid", "ports", "health", "data", "endpoint"):
-        table.add_column(column)
+    table.add_column("service")
+    table.add_column("health", overflow="fold")
+    table.add_column("data")
+    for column in ("ports", "endpoint"):
+        table.add_column(column, overflow="fold")
     for row in rows:
         if row.healthy:
-            health = "[green]healthy[/green]"
+            health = f"[green]healthy[/green], pid {row.pid}"
         else:
-            health = "[red]unhealthy[/red]" if row.pid else "[dim]stopped[/dim]"
-        table.add_row(row.name, str(row.pid or "-"), ",".join(map(str, row.ports)), health,
-                      _human(row.data_bytes), row.details)
-    console.print(table)
+            health = f"[red]unhealthy[/red], pid {row.pid}" if row.pid else "[dim]stopped[/dim]"
+        table.add_row(row.name, health, _human(row.data_bytes), ", ".join(map(str, row.ports)), row.details)
+    return table
 
 
 @app.command()
