@@ -91,10 +91,10 @@ async def test_reconcile_repair_bills_into_the_ledger_and_the_spend_alike(stack:
         assert spend.billed_nanos == to_nanos(row.cost), "reconcile --repair billed a row the spend never counts"
 
 
-async def test_spend_repair_while_billing_runs_counts_a_pending_charge_twice(stack: Settings) -> None:
+async def test_spend_repair_while_billing_runs_counts_a_pending_charge_once(stack: Settings) -> None:
     """``kns billing spend --repair`` after a Redis wipe: the billing processor had written request b's ledger row
     and was retrying its charge while Redis was away. The repair reads the ledger (b included) and HSETs billed;
-    the processor's retry then lands and adds b again (its mark was wiped with the rest)."""
+    the processor's retry then lands. In the first version it added b again (its mark was wiped with the rest)."""
     org, now = _org(), datetime.now(UTC)
     month = month_of(now)
     (seed,) = load_seed()
@@ -112,10 +112,10 @@ async def test_spend_repair_while_billing_runs_counts_a_pending_charge_twice(sta
         assert billed == ledger_nanos, f"billed {billed} != ledger {ledger_nanos}: b was counted twice"
 
 
-async def test_a_redelivered_usage_event_after_a_wipe_and_repair_is_charged_again(stack: Settings) -> None:
-    """The repair restores ``billed`` but not the per-request charge marks: a usage event charged before the wipe
-    and redelivered after the repair (the billing processor restarted before its offsets were committed) is
-    charged a second time."""
+async def test_a_redelivered_usage_event_after_a_wipe_and_repair_is_not_charged_again(stack: Settings) -> None:
+    """A usage event charged before the wipe and redelivered after the repair (the billing processor restarted
+    before its offsets were committed). In the first version the repair restored ``billed`` but not the
+    per-request charge marks, and the redelivery was charged a second time."""
     org, now = _org(), datetime.now(UTC)
     month = month_of(now)
     (seed,) = load_seed()
