@@ -56,9 +56,16 @@ class Stream:
         return self.done and self.error is None and self.finish_reason in ("stop", "length")
 
     @property
+    def refused(self) -> bool:
+        """Answered with an error before it was accepted (no request id): nothing of it was generated."""
+        return self.request_id is None and self.status is not None and self.status != 200
+
+    @property
     def outcome(self) -> str:
         if self.completed:
             return "completed"
+        if self.refused:
+            return f"refused {self.error}"
         return self.error or ("no [DONE]" if not self.done else f"finish {self.finish_reason}")
 
     def longest_silence(self) -> float:
@@ -188,9 +195,16 @@ class Load:
             if not (mixed and stream.index % 2 == 0):
                 stream.temperature, stream.seed = temperature, seed
         self.t0 = time.monotonic()
+        #: when the scenario's fault began (Unix seconds): the audit counts the streams it hit mid-generation
+        self.fault_at: float | None = None
 
     def now(self) -> float:
         return time.monotonic() - self.t0
+
+    def fault_begins(self) -> None:
+        """Called by a scenario at the moment it breaks something (the first time counts)."""
+        if self.fault_at is None:
+            self.fault_at = time.time()
 
     async def more(self, n: int) -> None:
         """``n`` more streams, now, all at once (a scenario's second phase); they count with the others."""

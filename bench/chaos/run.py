@@ -56,6 +56,7 @@ async def run_scenario(settings: Settings, scenario: Scenario, shape: LoadShape,
         streams = await asyncio.wait_for(running, timeout_s)
         say(f"load done at {load.now():.1f} s; auditing streams, token log and ledger")
         table = await audit(scenario.name, settings, env.kafka(), env.org_id, streams, started_at,  # type: ignore[arg-type]
+                            expectation=scenario.expectation, fault_at=load.fault_at,
                             synthetic=engine == "synthetic", reference=reference, redis=env.redis_settings(),
                             redis_wiped=scenario.name == "restart-redis",
                             conversations=(env.base_url, env.api_key) if scenario.conversations else None)
