@@ -3,16 +3,22 @@
 The test command (``./dev test``) starts Kafka, Cassandra and Redis before pytest; a missing service fails
 the run, it is never skipped. Each session gets its own topic namespace and Redis key prefix, so it neither
 sees nor disturbs a dev stack running on the same broker.
+
+Lanes: every test is marked by its directory (``unit``, ``contract``, ``integration``, ``e2e``, ``resilience``,
+see ``pytest_collection_modifyitems``); ``pytest -m unit`` (``./dev test --fast``) is the fast lane, everything
+that needs no service and no vLLM. A full run goes lane by lane, fastest first.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
@@ -49,6 +55,80 @@ TEST_ENV = {
     **{f"KNS_PROCESSORS__{name.upper()}_PORT": str(port) for name, port in PROCESSOR_PORTS.items()},
 }
 os.environ.update(TEST_ENV)
+
+TESTS = Path(__file__).parent
+#: lane → its place in a full run. The fast lane goes first: the session's stack (worker, gateway, processors) stays
+#: up from the first test that needs it to the end of the run, and the timing-sensitive unit tests must not share
+#: the two cores with it.
+LANES = {"unit": 0, "contract": 0, "vllm": 0, "integration": 1, "e2e": 2, "resilience": 3}
+#: seconds a test of the lane may take unless it says otherwise (the others: ``timeout`` in pyproject.toml). A chaos
+#: scenario starts a stack of its own, runs its load and its fault, then waits up to 90 s for billing and 60 s for
+#: the conversation turns in its audit: a minute or two.
+LANE_TIMEOUTS = {"resilience": 600}
+#: the fixture every test that needs Kafka, Cassandra or Redis uses (the session's services all depend on it)
+SERVICES = "stack"
+
+
+def _needs_services(item: pytest.Item) -> bool:
+    return SERVICES in getattr(item, "fixturenames", ())  # a test function's fixtures, with those they use
+
+
+def _lane(item: pytest.Item) -> str:
+    """The lane of the test's directory, except that a test in tests/unit or tests/contract that needs a service is
+    an integration test, and one that imports vLLM (its author marks it ``vllm``) leaves the fast lane."""
+    try:
+        directory = item.path.relative_to(TESTS).parts[0]
+    except ValueError:  # a test file outside tests/
+        return ""
+    if directory in ("unit", "contract"):
+        if _needs_services(item):
+            return "integration"
+        if item.get_closest_marker("vllm") is not None:
+            return "vllm"
+    return directory if directory in LANES else ""
+
+
+def _mark_lane(item: pytest.Item, lane: str) -> None:
+    if lane in ("unit", "contract"):
+        item.add_marker(pytest.mark.unit)  # the fast lane: unit and contract tests alike need nothing running
+    if lane in ("contract", "integration", "e2e", "resilience"):
+        item.add_marker(getattr(pytest.mark, lane))
+
+
+def _time_the_body_only(item: pytest.Item) -> None:
+    """A test on the services is timed from its first line: the session's services it may be the first to use
+    start in their fixtures, each with a deadline of its own (a vLLM worker up to 300 s), which a test's timeout
+    must neither absorb nor cut short. Its own timeout mark, if any, still gives the seconds."""
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and "func_only" in marker.kwargs:
+        return
+    args, kwargs = (marker.args, marker.kwargs) if marker is not None else ((), {})
+    item.add_marker(pytest.mark.timeout(*args, **kwargs, func_only=True), append=False)  # the closest, so it counts
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by these marks
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    lanes = {}
+    for item in items:
+        lanes[item.nodeid] = lane = _lane(item)
+        _mark_lane(item, lane)
+        if lane in LANE_TIMEOUTS and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(LANE_TIMEOUTS[lane]), append=False)
+        if _needs_services(item):
+            _time_the_body_only(item)
+    items.sort(key=lambda item: LANES.get(lanes[item.nodeid], 0))  # stable: each module keeps its order
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The fast lane's promise, checked at its end: a run of ``unit`` tests only never imported vLLM."""
+    ran = getattr(session, "items", [])  # unset when the collection failed
+    if ran and all(item.get_closest_marker("unit") for item in ran) and "vllm" in sys.modules:
+        writer = session.config.get_terminal_writer()
+        writer.line()
+        writer.line(
+            "error: vLLM was imported by a run of unit tests only (mark the test that needs it `vllm`, or import "
+            "vLLM inside it)", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,6 @@ from schemas.topics import TOPICS
 from tests.conftest import GATEWAY_PORT, SESSION
 from tests.helpers import ServiceProcess, read_topic
 
-pytestmark = pytest.mark.e2e
-
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 #: the session's gateway, then two more (``three_gateways``; +1 and +2 are other tests' own gateways)

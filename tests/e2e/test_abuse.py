@@ -61,6 +61,7 @@ async def alerts_for(stack: Settings, key_id: str, rule: str) -> list[AbuseAlert
     return await records_of(stack, TOPICS.alerts, AbuseAlert, lambda a: a.key_id == key_id and a.rule == rule)
 
 
+@pytest.mark.timeout(300)  # a burst of 60 callers for up to 90 s, then up to 30 s for the alerts
 async def test_a_burst_suspends_a_free_key_until_an_operator_lifts_it(base_url: str, make_caller, stack: Settings,  # type: ignore[no-untyped-def]
                                                                       service_env: dict[str, str]) -> None:
     burster = make_caller(org=f"org-burst-{SESSION}", tier="free")
@@ -90,6 +91,7 @@ async def test_a_burst_suspends_a_free_key_until_an_operator_lifts_it(base_url: 
     assert (await status_of(base_url, burster.secret)).status_code == 200
 
 
+@pytest.mark.timeout(240)  # up to 120 s for the suspension
 async def test_repeated_safety_violations_suspend_a_key(base_url: str, make_caller, stack: Settings) -> None:  # type: ignore[no-untyped-def]
     offender = make_caller(org=f"org-harm-{SESSION}", tier="plus")
     for _ in range(6):  # each is refused by the pre-filter; the sixth crosses the suspend threshold
@@ -122,6 +124,7 @@ async def test_one_key_from_many_addresses_is_suspended(make_caller, stack: Sett
     assert actions == {AbuseAction.FLAG, AbuseAction.SUSPEND}
 
 
+@pytest.mark.timeout(480)  # the detector's restart (up to 180 s), then up to 180 s for the suspension
 async def test_the_detector_comes_back_after_its_worker_crashes(base_url: str, make_caller,  # type: ignore[no-untyped-def]
                                                                processors: dict[str, ServiceProcess]) -> None:
     abuse = processors["abuse"]

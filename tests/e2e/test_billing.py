@@ -20,6 +20,7 @@ pytestmark = pytest.mark.e2e
 REQUESTS = 200
 
 
+@pytest.mark.timeout(600)  # 200 completions, a billing crash and restart (up to 180 s), three CLI runs
 async def test_the_ledger_survives_a_billing_crash_exactly(base_url: str, make_caller, stack: Settings,  # type: ignore[no-untyped-def]
                                                            processors: dict[str, ServiceProcess],
                                                            service_env: dict[str, str]) -> None:

@@ -78,6 +78,7 @@ class Spending:
         return spend.holds == 0 and spend.reserved_nanos == 0 and len(await self.ledger_rows()) == requests
 
 
+@pytest.mark.timeout(300)  # 40 answers, each settled before the next
 async def test_a_spent_budget_is_429_insufficient_quota_until_it_is_raised(
         make_caller, stack: Settings, gateway: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
     org = f"org-bud-{SESSION}-{uuid.uuid4().hex[:6]}"
@@ -115,6 +116,7 @@ async def test_a_spent_budget_is_429_insufficient_quota_until_it_is_raised(
         assert await wait_for(served_again, timeout_s=2, interval_s=0.1)
 
 
+@pytest.mark.timeout(300)  # 40 answers at once, then up to 120 s for their settlement
 async def test_spend_under_load_equals_the_ledger_to_the_nano_dollar(
         make_caller, stack: Settings, gateway: ServiceProcess,  # type: ignore[no-untyped-def]
         service_env: dict[str, str]) -> None:

@@ -161,6 +161,7 @@ async def test_a_conversation_longer_than_the_context_drops_its_oldest_turns(bas
         assert len(prompt.prompt_token_ids) + 8 <= 2048
 
 
+@pytest.mark.timeout(300)  # the writer's restart, up to 180 s
 async def test_the_writer_killed_mid_answer_leaves_one_copy_of_each_item(
         base_url: str, caller: Caller, processors: dict[str, ServiceProcess]) -> None:
     writer = processors["store"]

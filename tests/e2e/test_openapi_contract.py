@@ -34,6 +34,7 @@ def answered(origin: str) -> float:
                for outcome in ("stop", "length") for stream in ("true", "false"))
 
 
+@pytest.mark.timeout(600)  # schemathesis runs up to 540 s
 def test_schemathesis_finds_nothing_on_chat_completions(base_url: str, make_caller: Callable[..., Caller],
                                                         tmp_path: Path) -> None:
     # A key of its own (and an org of its own): hundreds of requests must not count against the session's caller

@@ -52,6 +52,7 @@ async def _stream(http: httpx.AsyncClient, secret: str, content: str, max_tokens
             timed.lines.append(line)
 
 
+@pytest.mark.timeout(300)  # 24 streams of 64 tokens on 16 slots
 async def test_enterprise_starts_before_the_free_requests_queued_ahead_of_it(
         make_caller, stack: Settings, gateway: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
     free = make_caller(org=f"org-free-{SESSION}", tier="free")

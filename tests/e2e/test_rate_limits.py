@@ -46,6 +46,7 @@ async def _stream(http: httpx.AsyncClient, port: int, secret: str, content: str,
     return response, text, answered
 
 
+@pytest.mark.timeout(300)  # 100 streams
 async def test_exactly_n_requests_per_minute_pass_across_three_gateways(
         three_gateways: tuple[int, ...], make_caller) -> None:  # type: ignore[no-untyped-def]
     n = 6  # refills one request every 10 s: the burst's admissions all fall within that (asserted below)
@@ -79,6 +80,7 @@ async def test_exactly_n_requests_per_minute_pass_across_three_gateways(
     assert raised.value.code == "rate_limit_exceeded"
 
 
+@pytest.mark.timeout(300)  # 40 streams of up to 100 tokens, then up to 90 s for the ledger
 async def test_streamed_tokens_count_toward_tpm_and_the_settled_counter_equals_the_ledger(
         three_gateways: tuple[int, ...], make_caller, stack: Settings,  # type: ignore[no-untyped-def]
         processors: dict[str, ServiceProcess]) -> None:

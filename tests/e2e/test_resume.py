@@ -151,6 +151,7 @@ async def test_a_stopping_gateway_hands_its_streams_over_and_they_finish_elsewhe
     assert before.text + after.text == reference.text
 
 
+@pytest.mark.timeout(300)  # a gateway of its own starts, up to 120 s
 async def test_forged_foreign_and_expired_ids_get_404_and_a_finished_stream_replays(
         gateway: ServiceProcess, service_env: dict[str, str], caller: Caller, make_caller) -> None:  # type: ignore[no-untyped-def]
     other_org = make_caller(org=f"org-resume-other-{SESSION}")

@@ -95,6 +95,7 @@ def leftovers() -> Iterator[list[Proc]]:
     terminate(seen, roots=seen, grace_s=10)
 
 
+@pytest.mark.timeout(720)  # two vLLM worker starts, up to 300 s each
 def test_a_killed_worker_takes_its_engine_along_and_is_started_again(own_env: dict[str, str],
                                                                      leftovers: list[Proc]) -> None:
     env = {**own_env, "KNS_WORKER__ADMIN_PORT": str(OWN_WORKER_PORT),
@@ -128,6 +129,7 @@ def test_a_killed_worker_takes_its_engine_along_and_is_started_again(own_env: di
         service.stop()
 
 
+@pytest.mark.timeout(300)  # two gateway starts, up to 120 s each
 def test_a_killed_gateway_is_started_again_on_its_port(own_env: dict[str, str], leftovers: list[Proc]) -> None:
     env = {**own_env, "KNS_GATEWAY__PORT": str(OWN_GATEWAY_PORT),
            "KNS_GATEWAY__INSTANCE_ID": f"test-gateway-sup-{SESSION}"}
@@ -158,6 +160,7 @@ def test_a_killed_gateway_is_started_again_on_its_port(own_env: dict[str, str], 
         service.stop()
 
 
+@pytest.mark.timeout(300)  # a vLLM worker's start through the stack manager, up to 180 s
 def test_stack_down_leaves_nothing_of_a_crashed_worker_behind(own_env: dict[str, str], tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch,
                                                              leftovers: list[Proc]) -> None:

@@ -49,6 +49,7 @@ async def test_two_gateways_have_their_own_partitions_and_both_stream(second_gat
     assert len(set(answers)) == 1 and "Paris" in answers[0]
 
 
+@pytest.mark.timeout(300)  # a gateway restart, up to 120 s
 def test_a_restarted_gateway_keeps_its_partition(second_gateway: ServiceProcess) -> None:
     before = httpx.get(f"http://127.0.0.1:{SECOND_PORT}/health").json()["reply_partition"]
     second_gateway.stop()

@@ -18,6 +18,7 @@ from tests.helpers import wait_for
 pytestmark = pytest.mark.e2e
 
 
+@pytest.mark.timeout(180)  # answers for two orgs, then up to 60 s for their billing
 async def test_usage_reports_the_callers_org_only(base_url: str, make_caller) -> None:  # type: ignore[no-untyped-def]
     start = (datetime.now(UTC) - timedelta(seconds=5)).isoformat()
     alice, bob = make_caller(org=f"org-alice-{SESSION}"), make_caller(org=f"org-bob-{SESSION}")

@@ -21,5 +21,3 @@ async def redis(stack: Settings) -> AsyncIterator[Redis]:
 def kafka(stack: Settings):  # type: ignore[no-untyped-def]
     return stack.kafka
 
-
-pytestmark = pytest.mark.integration

@@ -28,6 +28,7 @@ class Raw:
         return value
 
 
+@pytest.mark.timeout(180)  # up to 30 s for the dead letter and 60 s for the bill
 async def test_billing_records_the_version_and_refuses_what_its_book_cannot_vouch_for(
         stack: Settings, processors: dict[str, ServiceProcess]) -> None:
     (seed,) = load_seed()

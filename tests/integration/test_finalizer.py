@@ -184,6 +184,7 @@ async def test_a_dead_workers_open_transaction_is_never_read(stack: Settings) ->
     await asyncio.gather(zombie.stop(), return_exceptions=True)
 
 
+@pytest.mark.timeout(300)  # 80 transactions one after the other
 async def test_no_final_waits_out_a_produce_retry_behind_its_own_offsets(stack: Settings, redis: Redis,
                                                                            caplog: pytest.LogCaptureFixture) -> None:
     """Found by a probe at c=1: 7 of 90 streams ended 100 ms late. The broker checks a transaction's first record

@@ -30,6 +30,7 @@ def kns(service_env: dict[str, str], *args: str) -> subprocess.CompletedProcess[
                           text=True, timeout=120, env={**service_env, "COLUMNS": "250"})
 
 
+@pytest.mark.timeout(240)  # CLI runs, up to 120 s each
 async def test_repair_reports_what_it_changed_and_never_reprices(stack: Settings,
                                                                  service_env: dict[str, str]) -> None:
     model, org = f"m-{uuid.uuid4().hex[:10]}", f"org-{uuid.uuid4().hex[:8]}"

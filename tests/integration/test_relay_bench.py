@@ -3,10 +3,13 @@ every stream gets exactly its tokens (a bench whose load side lost or mangled st
 
 from __future__ import annotations
 
+import pytest
+
 from bench.relay import Placement, stream_capacity
 from runtime.settings import Settings
 
 
+@pytest.mark.timeout(240)  # a gateway and a token source start
 async def test_streams_relayed_from_the_token_source_complete_with_every_token(stack: Settings) -> None:
     out = await stream_capacity(stack, [4], 25, 50.0, ttft_limit_s=30.0, itl_limit_s=30.0, report=lambda _: None,
                                 placement=Placement(), source="tokens")

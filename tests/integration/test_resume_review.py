@@ -98,6 +98,7 @@ async def test_a_feed_opened_for_a_resume_whose_client_left_is_closed_when_idle(
         await relay.stop()
 
 
+@pytest.mark.timeout(300)  # 100,000 records produced, then up to 120 s of reads
 async def test_a_resume_far_behind_does_not_stall_the_other_streams_of_the_feed(kafka: KafkaSettings) -> None:
     """Resuming a stream of this gateway's own partition (or replaying a finished one: GET ?stream=true, not
     rate limited) rewinds the gateway's *only* feed of that partition to the stream's first offset, up to the

@@ -13,6 +13,7 @@ import textwrap
 import time
 import uuid
 
+import pytest
 from aiokafka import AIOKafkaConsumer
 from redis.asyncio import Redis
 
@@ -56,6 +57,7 @@ async def _assigned(consumer: AIOKafkaConsumer, n: int, timeout_s: float) -> flo
     raise AssertionError(f"{len(consumer.assignment())} partitions assigned, not {n}, after {timeout_s} s")
 
 
+@pytest.mark.timeout(240)  # two group joins (up to 60 s each) and the eviction (up to 25 s)
 async def test_a_killed_worker_is_evicted_by_its_peer_before_its_session_times_out(stack: Settings,
                                                                                    redis: Redis) -> None:
     group = f"liveness-{uuid.uuid4().hex[:8]}"

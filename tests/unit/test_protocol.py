@@ -186,6 +186,7 @@ def test_our_load_generator_body_is_accepted() -> None:
     assert (body.stream, body.include_usage, body.ignore_eos, body.max_tokens) == (True, True, True, 8)
 
 
+@pytest.mark.vllm
 def test_vllm_bench_serve_body_is_accepted() -> None:
     """The referee's own request function (``vllm bench serve --backend openai-chat``), with the flags
     ``bench/compare.py`` passes and the sampling flags it may add; the body is captured, nothing is sent."""

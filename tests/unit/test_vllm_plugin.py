@@ -1,5 +1,8 @@
 """Our vLLM plugin caps how long vLLM's message-queue readers spin when, and only when, its variable is set; the
-worker sets it from the engine settings (CPU default 5 ms, vLLM's own on a GPU), and vLLM can find the plugin."""
+worker sets it from the engine settings (CPU default 5 ms, vLLM's own on a GPU), and vLLM can find the plugin.
+
+vLLM is imported by the tests that use it (the ``shm_broadcast`` and ``titled`` fixtures, marked ``vllm``), never
+at collection: the fast lane (``pytest -m unit``) collects this module too and must not load it."""
 
 from __future__ import annotations
 
@@ -7,12 +10,10 @@ import inspect
 import time
 from collections.abc import Callable, Iterator
 from importlib.metadata import entry_points
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
-from vllm.distributed.device_communicators import shm_broadcast
-from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
 from inference_workers import vllm_plugin
 from inference_workers.engine import engine_env
@@ -28,16 +29,25 @@ def _vllm_like_init(self: Any, is_reader: bool, context: object, notify_address:
     self.busy_loop_s = 1
 
 
+@pytest.fixture(scope="module")
+def shm_broadcast() -> ModuleType:
+    """vLLM's shared-memory message queues, where ``SpinCondition`` lives."""
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    return shm_broadcast
+
+
 @pytest.fixture
-def pristine(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def pristine(shm_broadcast: ModuleType, monkeypatch: pytest.MonkeyPatch) -> Iterator[type]:
     """SpinCondition with a socket-free ``__init__``; whatever a test does to it is undone after it."""
-    monkeypatch.setattr(SpinCondition, "__init__", _vllm_like_init)
-    monkeypatch.setattr(SpinCondition, vllm_plugin._PATCHED, None, raising=False)
+    spin_condition = shm_broadcast.SpinCondition
+    monkeypatch.setattr(spin_condition, "__init__", _vllm_like_init)
+    monkeypatch.setattr(spin_condition, vllm_plugin._PATCHED, None, raising=False)
     monkeypatch.setattr(shm_broadcast, "sched_yield", shm_broadcast.sched_yield)
     monkeypatch.setattr(shm_broadcast, vllm_plugin._ORIGINAL_YIELD, None, raising=False)
     monkeypatch.delenv(IDLE_SPIN_ENV, raising=False)
     monkeypatch.delenv(ENGINE_CORE_NAP_ENV, raising=False)
-    yield
+    yield spin_condition
 
 
 @pytest.fixture
@@ -52,47 +62,53 @@ def titled() -> Iterator[Callable[[str], None]]:
     setproctitle.setproctitle(before)
 
 
-def reader_spin_s() -> float:
-    reader = SpinCondition.__new__(SpinCondition)
+def reader_spin_s(spin_condition: type) -> float:
+    reader = spin_condition.__new__(spin_condition)
     reader.__init__(is_reader=True, context=None, notify_address="inproc://kns-test-notify")  # type: ignore[misc]
     return float(reader.busy_loop_s)
 
 
-def test_vllm_s_readers_spin_a_second_by_busy_loop_s() -> None:
+@pytest.mark.vllm
+def test_vllm_s_readers_spin_a_second_by_busy_loop_s(shm_broadcast: ModuleType) -> None:
     """The attribute the plugin overrides is the one vLLM's readers spin by (what the stub above mirrors)."""
-    init, wait = inspect.getsource(SpinCondition.__init__), inspect.getsource(SpinCondition.wait)
+    spin_condition = shm_broadcast.SpinCondition
+    init, wait = inspect.getsource(spin_condition.__init__), inspect.getsource(spin_condition.wait)
     assert "busy_loop_s: float = 1," in init and "self.busy_loop_s = busy_loop_s" in init
     assert "self.last_read + self.busy_loop_s" in wait
 
 
-def test_unset_leaves_vllm_as_it_is(pristine: None, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.vllm
+def test_unset_leaves_vllm_as_it_is(pristine: type, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(IDLE_SPIN_ENV, raising=False)
     register()
-    assert reader_spin_s() == 1
+    assert reader_spin_s(pristine) == 1
 
 
-def test_set_caps_every_reader_built_after(pristine: None, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.vllm
+def test_set_caps_every_reader_built_after(pristine: type, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(IDLE_SPIN_ENV, "0.005")
     register()
     register()  # vLLM may load a plugin more than once in one process
-    assert reader_spin_s() == 0.005
+    assert reader_spin_s(pristine) == 0.005
     monkeypatch.setenv(IDLE_SPIN_ENV, "0.25")
     register()
-    assert reader_spin_s() == 0.25
+    assert reader_spin_s(pristine) == 0.25
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize("value", ["soon", "0", "0.001", "inf", "nan", "-1"])
-def test_a_spin_out_of_the_settings_bounds_is_ignored(pristine: None, monkeypatch: pytest.MonkeyPatch,
+def test_a_spin_out_of_the_settings_bounds_is_ignored(pristine: type, monkeypatch: pytest.MonkeyPatch,
                                                       value: str) -> None:
     """Set by hand, as the settings would refuse it: under 3 ms vLLM's readers lose wake-ups (DEVELOPERS.md)."""
     monkeypatch.setenv(IDLE_SPIN_ENV, value)
     register()
-    assert reader_spin_s() == 1
+    assert reader_spin_s(pristine) == 1
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize("value", ["soon", "0", "-1", "0.2", "inf", "nan"])
-def test_a_nap_out_of_the_settings_bounds_is_ignored(pristine: None, monkeypatch: pytest.MonkeyPatch,
-                                                     value: str) -> None:
+def test_a_nap_out_of_the_settings_bounds_is_ignored(shm_broadcast: ModuleType, pristine: type,
+                                                     monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     """0.2 is someone thinking in milliseconds: 200 ms per look would make every step that late; inf would raise
     in the engine core's read loop and kill it."""
     vllm_s = shm_broadcast.sched_yield
@@ -101,7 +117,8 @@ def test_a_nap_out_of_the_settings_bounds_is_ignored(pristine: None, monkeypatch
     assert shm_broadcast.sched_yield is vllm_s
 
 
-def test_vllm_s_spinning_in_c_is_reported(pristine: None, monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.vllm
+def test_vllm_s_spinning_in_c_is_reported(shm_broadcast: ModuleType, pristine: type, monkeypatch: pytest.MonkeyPatch,
                                           caplog: pytest.LogCaptureFixture) -> None:
     """With VLLM_USE_SPINLOOP_EXT the readers spin in C first, where neither setting reaches."""
     monkeypatch.setattr(shm_broadcast, "SPINLOOP_EXT_ENABLED", True)
@@ -143,6 +160,7 @@ def _one_look(module: SimpleNamespace) -> float:
     return time.perf_counter() - started
 
 
+@pytest.mark.vllm
 def test_the_engine_core_naps_between_looks_instead_of_yielding(titled: Callable[[str], None]) -> None:
     module, yields = _spinner_module()
     titled("EngineCore")
@@ -152,6 +170,7 @@ def test_the_engine_core_naps_between_looks_instead_of_yielding(titled: Callable
     assert yields == []
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize("title", ["Worker", "Worker_TP1", "APIServer", "DPCoordinator"])
 def test_other_processes_keep_sched_yield(titled: Callable[[str], None], title: str) -> None:
     module, yields = _spinner_module()
@@ -161,6 +180,7 @@ def test_other_processes_keep_sched_yield(titled: Callable[[str], None], title: 
     assert yields == ["sched_yield"]
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize("title", ["EngineCore", "EngineCore_DP1"])
 def test_the_nap_is_decided_at_the_first_spin_not_at_loading(titled: Callable[[str], None], title: str) -> None:
     """vLLM may load plugins in the engine core's process before it titles it."""
@@ -173,7 +193,9 @@ def test_the_nap_is_decided_at_the_first_spin_not_at_loading(titled: Callable[[s
     assert _one_look(module) >= 0.019 and yields == []
 
 
-def test_register_naps_vllm_s_spinners_only_when_asked(pristine: None, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.vllm
+def test_register_naps_vllm_s_spinners_only_when_asked(shm_broadcast: ModuleType, pristine: type,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     vllm_s = shm_broadcast.sched_yield
     monkeypatch.setenv(IDLE_SPIN_ENV, "0.005")
     register()
@@ -184,10 +206,11 @@ def test_register_naps_vllm_s_spinners_only_when_asked(pristine: None, monkeypat
     assert getattr(shm_broadcast, vllm_plugin._ORIGINAL_YIELD) is vllm_s
 
 
-def test_vllm_s_spinners_call_the_module_s_sched_yield() -> None:
+@pytest.mark.vllm
+def test_vllm_s_spinners_call_the_module_s_sched_yield(shm_broadcast: ModuleType) -> None:
     """What the nap replaces: the name the readers' spin looks up in the module's globals at each call."""
-    assert "sched_yield()" in inspect.getsource(SpinCondition.wait)
-    assert SpinCondition.wait.__globals__ is vars(shm_broadcast)
+    assert "sched_yield()" in inspect.getsource(shm_broadcast.SpinCondition.wait)
+    assert shm_broadcast.SpinCondition.wait.__globals__ is vars(shm_broadcast)
 
 
 @pytest.mark.parametrize("seconds", [0, 0.002])
