@@ -58,13 +58,30 @@ async def test_records_of_a_partition_assigned_while_paused_are_not_lost(kafka: 
         handled.append(event.request_id)
         room["n"] -= 1
 
+    # The rebalance comes while the loop has no room, between its pause and its poll (aiokafka assigns in the
+    # background; the poll then fetches from every assigned partition not paused): that poll returns the new
+    # partition's records, which the paused branch must put back (defect 1 dropped them).
+    fetched_while_paused: list[int] = []
+    getmany = consumer.getmany
+
+    async def rebalanced_before_the_poll(*partitions: TopicPartition, **options: object
+                                         ) -> dict[TopicPartition, list[object]]:
+        if room["n"] <= 0 and not fetched_while_paused:
+            consumer.assign([first, second])
+            await consumer.seek_to_beginning(second)
+            options = {**options, "timeout_ms": 10_000}  # until the new partition's records are in
+        batches = await getmany(*partitions, **options)  # type: ignore[arg-type]
+        if room["n"] <= 0 and batches.get(second):
+            fetched_while_paused.append(len(batches[second]))
+        return batches  # type: ignore[return-value]
+
+    consumer.getmany = rebalanced_before_the_poll  # type: ignore[method-assign]
     stop = asyncio.Event()
     loop = asyncio.create_task(consume(consumer, CODEC, handle, stop=stop, capacity=lambda: room["n"]))
     try:
-        await asyncio.sleep(0.3)  # paused: no room
-        consumer.assign([first, second])  # as a rebalance would, while the loop is paused
-        await consumer.seek_to_beginning(second)
-        await asyncio.sleep(1.5)  # the paused loop keeps polling; the new partition is not paused yet
+        await wait_for(lambda: fetched_while_paused, timeout_s=15, interval_s=0.02,
+                       what="a poll of the paused loop returned the new partition's records")
+        assert handled == []
         room["n"] = 100
         assert await wait_for(lambda: len(handled) == 5, timeout_s=10)
         assert handled == expected
@@ -92,11 +109,18 @@ async def test_a_deferred_record_is_handled_again_and_a_refused_partition_rewind
             raise RetryLater("a store is down", 0.05)
         handled.append(event.request_id)
 
+    refusals = {"n": 0}
+
+    def accepts(_tp: TopicPartition) -> bool:
+        refusals["n"] += not open_["accept"]
+        return open_["accept"]
+
     stop = asyncio.Event()
-    loop = asyncio.create_task(consume(consumer, CODEC, handle, stop=stop, accepts=lambda _tp: open_["accept"]))
+    loop = asyncio.create_task(consume(consumer, CODEC, handle, stop=stop, accepts=accepts))
     try:
-        await asyncio.sleep(0.5)
-        assert handled == []  # refused partition: rewound, nothing handled, nothing skipped
+        # fetched and refused twice: the second fetch found the records again (rewound, not skipped)
+        await wait_for(lambda: refusals["n"] >= 2, timeout_s=10, interval_s=0.02, what="two refused fetches")
+        assert handled == []  # refused partition: nothing handled
         open_["accept"] = True
         assert await wait_for(lambda: len(handled) == 4, timeout_s=10)
         assert handled == expected and attempts[expected[1]] == 2

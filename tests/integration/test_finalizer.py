@@ -21,7 +21,7 @@ from runtime.settings import KafkaSettings, Settings
 from schemas.codec import codec_for
 from schemas.events import TokenEvent, TokenUsage, UsageEvent, utcnow
 from schemas.topics import TOPICS
-from tests.helpers import read_topic
+from tests.helpers import read_topic, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -123,7 +123,7 @@ async def test_the_next_owner_of_a_partition_fences_the_previous_one(stack: Sett
     try:
         with pytest.raises(PartitionLost):
             await asyncio.wait_for(old.finalizer.finish(finished(f"zombie-{uuid.uuid4().hex}", source, 1, 14)), 20)
-        await asyncio.sleep(0.1)
+        await wait_for(lambda: old.lost, timeout_s=10, interval_s=0.01, what="the old owner told of the loss")
         assert old.lost == [source]
         await asyncio.wait_for(new.finalizer.finish(finished(f"owner-{uuid.uuid4().hex}", source, 0, 14)), 20)
     finally:

@@ -17,7 +17,7 @@ from aiokafka.admin import NewTopic
 from inference_workers.priority import WINDOW, PriorityGate
 from runtime.kafka_clients import all_partitions, make_consumer, make_producer
 from runtime.settings import KafkaSettings
-from tests.helpers import scratch_topics
+from tests.helpers import scratch_topics, wait_for
 
 pytestmark = pytest.mark.integration
 RANKS = {"high": 0, "standard": 1, "low": 2}
@@ -97,8 +97,10 @@ async def test_the_depth_loop_survives_a_rebalance_during_its_lookup(kafka: Kafk
         consumer.pause(lo)
         real_end_offsets = consumer.end_offsets
         moved = {"done": False}
+        lookups = {"n": 0}
 
         async def end_offsets_during_a_rebalance(tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+            lookups["n"] += 1
             ends = await real_end_offsets(tps)
             if not moved["done"]:
                 moved["done"] = True
@@ -108,7 +110,9 @@ async def test_the_depth_loop_survives_a_rebalance_during_its_lookup(kafka: Kafk
         consumer.end_offsets = end_offsets_during_a_rebalance
         gate = PriorityGate(consumer, {high: "high", low: "low"}, RANKS, min_share=0.1, refresh_s=0.0)
         loop = asyncio.create_task(gate.report_depth(every_s=0.05))
-        await asyncio.sleep(0.5)
+        # two more reports after the one the rebalance hit: it survived it and went on
+        await wait_for(lambda: lookups["n"] >= 3 or loop.done(), timeout_s=20, interval_s=0.02,
+                       what="three end-offset lookups")
         try:
             assert not loop.done(), f"the queue-depth loop died: {loop.exception()!r}"
         finally:

@@ -15,6 +15,7 @@ from schemas.events import TokenEvent
 from schemas.topics import TOPICS
 from tests.helpers import drain_stream as drain
 from tests.helpers import token_event as token
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.integration
 OWN, OTHER = 13, 14
@@ -34,7 +35,8 @@ async def test_a_stream_resumes_from_another_partition_with_backlog_then_live_ev
             await producer.send_and_wait(topic, codec.encode(token("noise", seq)), key=b"noise", partition=OTHER)
         # The client had deltas 1 and 2 (positions are 1-based: 0 is the stream's start).
         collector = await relay.resume("r1", OTHER, first, skip_through=2)
-        await asyncio.sleep(0.5)
+        await wait_for(lambda: collector.accepted == 4, timeout_s=10, interval_s=0.01,
+                       what="the backlog read (deltas 0-3)")  # what follows comes live
         for seq in (4, 5):
             await producer.send_and_wait(topic, codec.encode(token("r1", seq, final=seq == 5)), key=b"r1",
                                          partition=OTHER)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import pytest
 from redis.asyncio import Redis
 
 from producers.relay.claim import ReplyPartitionClaim
-from runtime.redis_client import gateway_alive_key, key
+from runtime.redis_client import gateway_alive_key, key, make_redis
 from runtime.settings import GatewaySettings, Settings
 from schemas.errors import FatalError
 from tests.helpers import wait_for
@@ -23,14 +24,27 @@ def claim_for(redis: Redis, settings: Settings, instance: str, topic: str, ttl: 
 
 
 async def test_live_gateways_never_share_a_partition(redis: Redis, stack: Settings) -> None:
-    topic = f"claims-{uuid.uuid4().hex}"
-    claims = [claim_for(redis, stack, f"gw-{i}", topic) for i in range(3)]
-    partitions = [await c.acquire(3) for c in claims]
-    assert sorted(partitions) == [0, 1, 2]
-    with pytest.raises(FatalError, match="all 3 reply partitions are claimed"):
-        await claim_for(redis, stack, "gw-extra", topic).acquire(3)
-    for c in claims:
-        await c.close()
+    """Gateways that start at the same moment race for the partitions: six claim three at once, each over a Redis
+    connection of its own (as six processes would), three times over. Every partition goes to exactly one; the
+    others are refused, clearly."""
+    for _ in range(3):
+        topic = f"claims-{uuid.uuid4().hex}"
+        clients = [make_redis(stack.redis) for _ in range(6)]
+        claims = [claim_for(client, stack, f"gw-{i}", topic) for i, client in enumerate(clients)]
+        try:
+            outcomes = await asyncio.gather(*(c.acquire(3) for c in claims), return_exceptions=True)
+            won = sorted(o for o in outcomes if isinstance(o, int))
+            refused = [o for o in outcomes if isinstance(o, FatalError)]
+            assert won == [0, 1, 2], outcomes
+            assert len(refused) == 3 and all("all 3 reply partitions are claimed" in str(e) for e in refused)
+            owners = [await redis.get(key(stack.redis, "reply-lease", topic, p)) for p in range(3)]
+            assert len(set(owners)) == 3 and None not in owners, owners  # one live gateway per partition
+        finally:
+            for c, o in zip(claims, outcomes, strict=True):
+                if isinstance(o, int):
+                    await c.close()
+            for client in clients:
+                await client.aclose()
 
 
 async def test_a_restarted_instance_gets_its_partition_back(redis: Redis, stack: Settings) -> None:

@@ -23,6 +23,7 @@ from schemas.topics import TOPICS
 from tests.fakes.worker import request
 from tests.helpers import drain_stream as drain
 from tests.helpers import token_event as token
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.integration
 OWN, OTHER = 11, 12
@@ -90,7 +91,8 @@ async def test_a_resume_counts_positions_across_packed_records(kafka: KafkaSetti
         for seq in (1, 2, 3):
             await _step(sink, OTHER, [token("resumed", seq), token("other", seq)])
         collector = await relay.resume("resumed", OTHER, first, skip_through=2)  # the client had deltas 1 and 2
-        await asyncio.sleep(0.3)
+        await wait_for(lambda: collector.accepted == 4, timeout_s=10, interval_s=0.01,
+                       what="the backlog read (deltas 0-3)")  # what follows comes live
         await _step(sink, OTHER, [token("other", 4), token("resumed", 4)])
         await producer.send_and_wait(topic, codec_for(TokenEvent).encode(token("resumed", 5, final=True)),
                                      key=b"resumed", partition=OTHER)
