@@ -2,7 +2,8 @@
 
 Continuous batching and prefix caching are vLLM's; this adapter builds the engine from settings (CPU or CUDA
 defaults), turns a :class:`SamplingSpec` into ``SamplingParams`` with delta outputs, and maps vLLM's outputs
-and errors onto the protocol.
+and errors onto the protocol. For a prompt that ends inside a character (a takeover's), the text is its own
+(``continuation_text.py``): vLLM's would repeat the prompt's.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import contextlib
 import logging
 import os
 from collections.abc import AsyncGenerator
+from functools import cached_property
 from typing import Any
 
+from inference_workers.continuation_text import ContinuationText
 from inference_workers.protocol import EngineDeadError, EngineDelta
 from inference_workers.vllm_plugin import ENGINE_CORE_NAP_ENV, IDLE_SPIN_ENV
 from runtime.settings import EngineSettings, ModelSettings
@@ -115,6 +118,23 @@ class VllmEngine:
             output_kind=RequestOutputKind.DELTA,
         )
 
+    @cached_property
+    def _detokenizer_tokenizer(self) -> Any:
+        """The ``tokenizers.Tokenizer`` vLLM's detokenizer steps (FastIncrementalDetokenizer), if it uses one."""
+        from vllm.v1.engine.detokenizer import uses_fast_detokenizer
+
+        tokenizer = getattr(self._llm, "tokenizer", None)  # None: vLLM started without one
+        return tokenizer._tokenizer if tokenizer is not None and uses_fast_detokenizer(tokenizer) else None
+
+    def _own_text(self, prompt_token_ids: list[int], sampling: SamplingSpec) -> ContinuationText | None:
+        """The text to stream instead of vLLM's: only for a prompt ending inside a character. Not with stop strings:
+        vLLM holds their text back and truncates it (a takeover of such a request replays from the original prompt,
+        which never ends inside a character)."""
+        tokenizer = self._detokenizer_tokenizer
+        if tokenizer is None or sampling.stop:
+            return None
+        return ContinuationText.for_prompt(tokenizer, prompt_token_ids)
+
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec, *,
                        priority: int = 0) -> AsyncGenerator[EngineDelta, None]:
         from vllm.inputs import TokensPrompt
@@ -122,6 +142,7 @@ class VllmEngine:
 
         params = self.sampling_params(sampling)
         prompt_tokens = len(prompt_token_ids)
+        own_text = self._own_text(prompt_token_ids, sampling)
         try:
             # vLLM schedules a lower value first; it refuses a priority under the fcfs policy
             ranked = {"priority": priority} if self._args.get("scheduling_policy") == "priority" else {}
@@ -132,7 +153,7 @@ class VllmEngine:
                     completion = out.outputs[0]
                     yield EngineDelta(
                         token_ids=list(completion.token_ids),
-                        text=completion.text,
+                        text=completion.text if own_text is None else own_text.text(completion.token_ids),
                         finish_reason=completion.finish_reason if out.finished else None,
                         prompt_tokens=prompt_tokens,
                         cached_tokens=out.num_cached_tokens or 0,
