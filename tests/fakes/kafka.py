@@ -3,13 +3,15 @@
 ``ReplyLog`` is the token topic: what the sink emits and what the finalizer commits land in it in order, and
 the prefix reader merges it with the real :class:`schemas.token_stream.TokenStream`, as the real one reads Kafka.
 Commits go through the real :class:`inference_workers.offsets.OffsetTracker`. A transaction can be made to
-"abort" after its final was written (as a worker killed between send and commit leaves it).
+"abort" after its final was written (as a worker killed between send and commit leaves it), to fail, or to be slow
+(on its way until a flush waits for it); taking a partition's transactional id over can be made to fail or stall.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -59,6 +61,8 @@ class FakeSink:
 
     async def emit(self, event: TokenEvent | Delta, partition: int, traceparent: str | None
                    ) -> asyncio.Future[object]:
+        # The real sink never suspends once it took the event (it only queues it): a cancel lands before, not after
+        await asyncio.sleep(0)
         delivery: asyncio.Future[object] = asyncio.get_running_loop().create_future()
         if event.token_offset in self.refuse_at:
             delivery.set_exception(ConnectionError("broker refused the delta"))
@@ -66,7 +70,6 @@ class FakeSink:
             # what a reader decodes from the record
             self.log.records.append(Sent(event.event() if isinstance(event, Delta) else event, partition))
             delivery.set_result(type("Meta", (), {"offset": len(self.log.records) - 1})())
-        await asyncio.sleep(0)
         return delivery
 
 
@@ -138,43 +141,111 @@ class FakeGroup:
         return out
 
 
+_ownerships = itertools.count(1)
+
+
 class FakeTransactions:
-    """Per-partition transactional ids: acquiring one fences whoever held it."""
+    """Per-partition transactional ids: acquiring one fences whoever held it. Each acquisition is an ownership of
+    its own (the real one starts a new producer), which a commit queued under an earlier one must not commit in."""
 
     def __init__(self, group: FakeGroup, worker: str) -> None:
         self._group = group
         self._worker = worker
-        self._owned: set[TopicPartition] = set()
+        self._owned: dict[TopicPartition, int] = {}
+        #: raised by ``acquire`` (a takeover that fails: the transactional id refused, its coordinator unreachable)
+        self.fail_with: Exception | None = None
+        #: when set, ``acquire`` waits for it (the previous owner's transaction still ending, a coordinator moving)
+        self.hold: asyncio.Event | None = None
+        #: the partitions ``acquire`` was called for, in order (also those it stalled or failed on)
+        self.acquiring: list[TopicPartition] = []
 
     def owned(self) -> set[TopicPartition]:
         return set(self._owned)
+
+    def ownership(self, tp: TopicPartition) -> int | None:
+        """The current ownership of ``tp`` (None: not owned)."""
+        return self._owned.get(tp)
 
     def fenced(self, tp: TopicPartition) -> bool:
         return self._group.txn_owner.get(tp) != self._worker
 
     async def acquire(self, tp: TopicPartition) -> None:
+        self.acquiring.append(tp)
+        if self.hold is not None:
+            await self.hold.wait()
+        if self.fail_with is not None:
+            raise self.fail_with
         self._group.txn_owner[tp] = self._worker
-        self._owned.add(tp)
+        self._owned[tp] = next(_ownerships)
 
     async def release(self, tp: TopicPartition) -> None:
-        self._owned.discard(tp)
+        self._owned.pop(tp, None)
 
 
 @dataclass
 class FakeFinalizer:
-    """Commits at once, through the real offset tracker, into the group's log, usage and committed offsets."""
+    """Commits at once, through the real offset tracker, into the group's log, usage and committed offsets.
+
+    With ``slow``, as ``emitter.Finalizer`` commits: apart from the caller (a cancelled job does not cancel its
+    commit), each commit on its way (``pending``) until a flush waits for it (a flush's bounded wait outlasts a
+    commit) or the test lets it land (``land``), and then only under the partition ownership it was queued in."""
 
     group: FakeGroup
     offsets: OffsetTracker
     transactions: FakeTransactions
     #: abort (after writing the final) the next transaction: a worker killed between send and commit
     abort_next: bool = False
+    #: raised by the next transaction instead of committing (PartitionLost: fenced; FatalError: a producer left
+    #: unusable), after which commits succeed again
+    fail_next: BaseException | None = None
+    slow: bool = False
     finished: list[Finished] = field(default_factory=list)
+    #: slow commits on their way: finished requests not committed yet
+    pending: list[Finished] = field(default_factory=list)
+    #: flushes that found commits on their way
+    flushes_with_work: int = 0
+    _landings: list[asyncio.Future[None]] = field(default_factory=list, init=False, repr=False)
+    _commits: set[asyncio.Task[None]] = field(default_factory=set, init=False, repr=False)
 
     async def finish(self, item: Finished) -> None:
+        if not self.slow:
+            return await self._transaction(item)
+        commit = asyncio.ensure_future(self._commit_when_landed(item, self.transactions.ownership(item.source)))
+        self._commits.add(commit)
+        commit.add_done_callback(self._forget)
+        await asyncio.shield(commit)
+
+    def _forget(self, commit: asyncio.Task[None]) -> None:
+        self._commits.discard(commit)
+        if not commit.cancelled():
+            commit.exception()  # its caller may be gone (a job aborted meanwhile): retrieved here
+
+    async def _commit_when_landed(self, item: Finished, ownership: int | None) -> None:
+        landing: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._landings.append(landing)
+        self.pending.append(item)
+        try:
+            await landing
+            if ownership is None or self.transactions.ownership(item.source) != ownership:
+                raise PartitionLost(f"partition {item.source.partition} is no longer this worker's")
+            await self._transaction(item)
+        finally:
+            self.pending.remove(item)
+
+    def land(self) -> None:
+        """Let every commit on its way land now."""
+        landings, self._landings = self._landings, []
+        for landing in landings:
+            if not landing.done():
+                landing.set_result(None)
+
+    async def _transaction(self, item: Finished) -> None:
         await asyncio.sleep(0)
         if self.transactions.fenced(item.source):
             raise PartitionLost("fenced")
+        if self.fail_next is not None:
+            failure, self.fail_next = self.fail_next, None
+            raise failure
         if self.abort_next:
             self.abort_next = False
             self.group.log.records.append(Sent(item.final, item.reply_partition, committed=False))
@@ -198,7 +269,14 @@ class FakeFinalizer:
             self.group.committed.update(offsets)
 
     async def flush(self, timeout_s: float | None = None) -> None:
-        await asyncio.sleep(0)
+        """Return once everything queued so far is committed or has failed, or after ``timeout_s``."""
+        if not self._commits:
+            await asyncio.sleep(0)
+            return
+        self.flushes_with_work += 1
+        commits = set(self._commits)
+        self.land()
+        await asyncio.wait(commits, timeout=timeout_s)
 
 
 class FakePrefixReader:

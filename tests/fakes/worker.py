@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -74,9 +75,18 @@ class FakeWorker:
         """A whole eager rebalance, as this worker sees it: revoke everything owned, then assign ``partitions``
         in a new generation. A worker that missed a rebalance meanwhile (its generation is behind the group's)
         was expelled: its revoke sees generation -1, as aiokafka's does."""
+        await self.revoke()
+        await self.assigned(*partitions)
+
+    async def revoke(self) -> None:
+        """The first half of an eager rebalance: everything owned is revoked (then the worker rejoins, which takes
+        a while: other workers may be assigned meanwhile)."""
         if self.generation is not None and self.generation < self.group.generation:
             self.generation = -1
         await self.listener.on_partitions_revoked(self.transactions.owned())
+
+    async def assigned(self, *partitions: int) -> None:
+        """The second half: the rebalance's assignment, in a new generation."""
         self.group.generation += 1
         self.generation = self.group.generation
         await self.listener.on_partitions_assigned({TopicPartition(TOPIC, p) for p in partitions})
@@ -116,3 +126,13 @@ async def pump(n: int = 30) -> None:
     """Let the event loop run ``n`` turns: enough for queued callbacks and sends to settle."""
     for _ in range(n):
         await asyncio.sleep(0)
+
+
+async def until(condition: Callable[[], object], turns: int = 1000) -> None:
+    """Run the event loop until ``condition`` holds: within ``turns`` turns (nothing the fakes do waits on a clock),
+    else fail."""
+    for _ in range(turns):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"the condition did not hold within {turns} turns of the event loop")
