@@ -82,7 +82,8 @@ def test_a_yielding_process_alone_in_its_session_yields_its_autogroup() -> None:
 
 PROBE = textwrap.dedent("""
     import os, sys, time
-    time.sleep(0.5)  # a fix that sets the autogroup right after the spawn has done it by now
+    while not os.path.exists(sys.argv[2]):  # the manager's start has returned: whatever it sets is set
+        time.sleep(0.01)
     autogroup = open("/proc/self/autogroup").read() if os.path.exists("/proc/self/autogroup") else "none -1"
     with open(sys.argv[1], "w") as out:
         out.write(f"{os.getpriority(os.PRIO_PROCESS, 0)} {autogroup}")
@@ -98,19 +99,20 @@ def _probe_levels(tmp_path: Path, service_class: type, yield_nice: int = 7, kafk
                   ) -> tuple[int, int]:
     """The nice levels of a service the stack manager starts: its thread's, its autogroup's (-1: none here)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    out = tmp_path / "autogroup.txt"
+    out, started = tmp_path / "autogroup.txt", tmp_path / "started"
 
     class Probe(service_class):  # type: ignore[misc, valid-type]
         def prepare(self) -> None:
             self.data_dir.mkdir(parents=True, exist_ok=True)
 
         def command(self) -> list[str]:
-            return [sys.executable, "-c", PROBE, str(out)]
+            return [sys.executable, "-c", PROBE, str(out), str(started)]
 
     settings = Settings(stack=StackSettings(root=tmp_path),  # type: ignore[arg-type]
                         cpu=CpuSettings(yield_nice=yield_nice, kafka_nice=kafka_nice))
     manager = StackManager(settings)
     assert manager._start(Probe(settings))
+    started.touch()
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         if out.exists() and out.read_text():

@@ -103,12 +103,14 @@ PROBES = textwrap.dedent("""
     from runtime.settings import CpuSettings, Settings, StackSettings
 
     root = Path(sys.argv[1])
-    PROBE = "import sys, time; time.sleep(0.3); open(sys.argv[1], 'w').write(open('/proc/self/autogroup').read())"
+    # A probe reads its autogroup once every start has returned (whatever the manager sets is set by then).
+    PROBE = ("import os, sys, time\\nwhile not os.path.exists(sys.argv[2]): time.sleep(0.01)\\n"
+             "open(sys.argv[1], 'w').write(open('/proc/self/autogroup').read())")
 
     def probe(name):
         class Probe(RedisService):
             def command(self):
-                return [sys.executable, "-c", PROBE, str(root / f"{name}.txt")]
+                return [sys.executable, "-c", PROBE, str(root / f"{name}.txt"), str(root / "started")]
         Probe.name = name
         return Probe
 
@@ -116,7 +118,11 @@ PROBES = textwrap.dedent("""
     manager = StackManager(settings)
     for name in ("kafka", "cassandra", "redis"):  # as _bring_up starts the infra: one after the other
         manager._start(probe(name)(settings))
-    time.sleep(1)
+    (root / "started").touch()
+    files = [root / f"{n}.txt" for n in ("kafka", "cassandra", "redis")]
+    deadline = time.monotonic() + 15
+    while not all(f.exists() and f.read_text() for f in files) and time.monotonic() < deadline:
+        time.sleep(0.01)
     print(" ".join(str(int((root / f"{n}.txt").read_text().split()[-1])) for n in ("kafka", "cassandra", "redis")))
 """)
 

@@ -33,8 +33,9 @@ def test_stop_reaches_a_child_outside_the_group(tmp_path: Path) -> None:
     # A supervisor's child runs in a process group of its own; this one does not even stop on SIGTERM.
     pid_file = PidFile(tmp_path / "svc.pid")
     script = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
-              "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)'], start_new_session=True); "
-              "time.sleep(0.5); print('CHILD', p.pid, flush=True); time.sleep(60)")
+              "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(60)'], "
+              "start_new_session=True, stdout=subprocess.PIPE); "
+              "p.stdout.readline(); print('CHILD', p.pid, flush=True); time.sleep(60)")  # once it ignores SIGTERM
     spawn([sys.executable, "-c", script], log_file=tmp_path / "svc.log", pid_file=pid_file, env=dict(os.environ),
           cwd=tmp_path)
     deadline = time.monotonic() + 10
