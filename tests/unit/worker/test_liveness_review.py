@@ -1,6 +1,6 @@
 """Adversarial review of the fast failover (inference_workers/liveness.py), with an in-memory Redis and a fake
-group coordinator. Each test names a way a healthy group gets evicted / rebalanced, or a dead worker's eviction is
-lost."""
+group coordinator. Each test is named after the behaviour it asserts; its docstring tells how the first version
+evicted or rebalanced a healthy group, or lost a dead worker's eviction."""
 
 from __future__ import annotations
 
