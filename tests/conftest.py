@@ -96,9 +96,11 @@ def _mark_lane(item: pytest.Item, lane: str) -> None:
 
 
 def _time_the_body_only(item: pytest.Item) -> None:
-    """A test on the services is timed from its first line: the session's services it may be the first to use
-    start in their fixtures, each with a deadline of its own (a vLLM worker up to 300 s), which a test's timeout
-    must neither absorb nor cut short. Its own timeout mark, if any, still gives the seconds."""
+    """A test outside the fast lane is timed from its first line. The session's services start in the fixtures of
+    the first test that needs them (the worker, the four processors and the gateway: 179 s here) and stop in the
+    last test's teardown (35 s), whichever tests those are; each has deadlines of its own (a vLLM worker up to
+    300 s), which a test's timeout must neither absorb nor cut short. Its own timeout mark still gives the
+    seconds."""
     marker = item.get_closest_marker("timeout")
     if marker is not None and "func_only" in marker.kwargs:
         return
@@ -114,7 +116,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         _mark_lane(item, lane)
         if lane in LANE_TIMEOUTS and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(LANE_TIMEOUTS[lane]), append=False)
-        if _needs_services(item):
+        if lane in ("integration", "e2e", "resilience"):
             _time_the_body_only(item)
     items.sort(key=lambda item: LANES.get(lanes[item.nodeid], 0))  # stable: each module keeps its order
 
