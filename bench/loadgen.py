@@ -34,6 +34,8 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0
     prompt_tokens: int | None = None
+    #: bytes of content text received, as sent (JSON-escaped); counted by the lean client (``sse_client.py``)
+    content_bytes: int = 0
     #: seconds from the run's start to this request's start (timelines)
     started_at: float = 0.0
 

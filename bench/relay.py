@@ -217,7 +217,9 @@ async def _level(n: int, tokens: int, rate: float, ramp_s: float, secret: str, m
             "stages": quantiles(stages_before, stages_after),
             "stage_means_ms": means_ms(stages_before, stages_after),
             # how evenly the work queue's partitions spread the requests over the workers
-            "tokens_per_worker": [round(b - a) for a, b in zip(tokens_before, tokens_after, strict=True)]}
+            "tokens_per_worker": [round(b - a) for a, b in zip(tokens_before, tokens_after, strict=True)],
+            # what each client received, counted on its side (a load side that lost or mangled streams shows here)
+            "content_bytes_per_stream": [r.content_bytes for r in run.results]}
 
 
 def _ttft_p99_by_tenth(results: list[RequestResult]) -> list[float | None]:

@@ -57,6 +57,11 @@ class _Stream(asyncio.Protocol):
     def _event(self, event: bytes, now: float) -> None:
         result = self.result
         if b'"content":"' in event and b'"content":""' not in event:
+            start = event.index(b'"content":"') + 11
+            end = event.index(b'"', start)
+            while event[end - 1] == 0x5C:  # an escaped quote belongs to the text
+                end = event.index(b'"', end + 1)
+            result.content_bytes += end - start
             if self._last is None:
                 result.ttft = now - self._started
             else:

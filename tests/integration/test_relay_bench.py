@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench.relay import Placement, stream_capacity
+from bench.token_source import TEXT
 from runtime.settings import Settings
 
 
@@ -16,5 +17,7 @@ async def test_streams_relayed_from_the_token_source_complete_with_every_token(s
     (level,) = out["levels"]
     assert level["completed"] == 4 and level["errors"] == {}, level
     assert level["tokens_per_worker"] == [100]  # the source's own count of what it produced
+    # and each stream's client received its 25 tokens' text, counted on the client's side
+    assert level["content_bytes_per_stream"] == [25 * len(TEXT)] * 4, level["content_bytes_per_stream"]
     assert level["relayed_events_per_s"] and level["relayed_events_per_s"] > 0
     assert out["source"].startswith("bench.token_source")
