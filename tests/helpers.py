@@ -137,6 +137,22 @@ async def end_offsets(kafka: KafkaSettings, topic: str) -> dict[int, int]:
         await consumer.stop()
 
 
+async def group_past_every_record(kafka: KafkaSettings, group: str, topic: str, codec: EventCodec[Event]) -> bool:
+    """Whether a consumer group has committed, on every partition of ``topic``, past the last record it holds now
+    (read_committed: a transaction's commit marker takes an offset of its own, so the end offset is no measure)."""
+    rows = await read_topic(kafka, topic, codec)
+    last: dict[TopicPartition, int] = {}
+    for tp, offset, _event, _headers in rows:
+        last[tp] = max(last.get(tp, -1), offset)
+    admin = make_admin(kafka)
+    await admin.start()
+    try:
+        committed = await admin.list_consumer_group_offsets(group)
+    finally:
+        await admin.close()
+    return all(tp in committed and committed[tp].offset > offset for tp, offset in last.items())
+
+
 def group_by_request(events: list[Event]) -> dict[str, list[Event]]:
     grouped: dict[str, list[Event]] = defaultdict(list)
     for event in events:

@@ -1,5 +1,6 @@
-"""Billing is exact: 200 requests, the billing processor SIGKILLed and restarted mid-way, ledger == engine usage.
-Then reconcile finds a hand-corrupted row and --repair fixes it."""
+"""Billing is exact: 200 requests, the billing processor SIGKILLed and restarted mid-way, ledger == engine usage,
+each request once in the ledger's views, its hourly aggregates and the org's spend. Then reconcile finds a
+hand-corrupted row and --repair fixes it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import pytest
 
 from billing.ledger import Ledger
 from runtime.cassandra_client import connect_async, execute
+from runtime.redis_client import make_redis
 from runtime.settings import Settings
+from runtime.spend import SpendBook, ledger_nanos, month_of
 from tests.conftest import SESSION
 from tests.e2e.conftest import MODEL, kns
 from tests.helpers import ServiceProcess, wait_for
@@ -59,8 +62,26 @@ async def test_the_ledger_survives_a_billing_crash_exactly(base_url: str, make_c
 
     assert killed_at < REQUESTS, "the processor must be killed in the middle"
     assert await wait_for(lambda: billed_at_least(REQUESTS), timeout_s=180), f"only {await billed()} billed"
-    rows = {r["request_id"]: r for r in await ledger.rows_for_org(org, started, datetime.now(UTC))}
-    assert len(rows) == REQUESTS  # no loss, no double count
+    listed = await ledger.rows_for_org(org, started, datetime.now(UTC) + timedelta(minutes=5))
+    rows = {r["request_id"]: r for r in listed}
+    assert set(rows) == set(usage)  # no loss
+    assert len(listed) == REQUESTS, f"{len(listed)} rows in the org's day view for {REQUESTS} requests"  # no double
+    # The aggregates and the org's spend count each request once too (a redelivery after the crash must not add).
+    prompt, completion = (sum(getattr(u, f) for u in usage.values()) for f in ("prompt_tokens", "completion_tokens"))
+
+    async def hourly_adds_up() -> bool:
+        hours = [h for day in {r["requested_at"].date() for r in listed} for h in await ledger.hourly(org, day)]
+        totals = [sum(h[f] for h in hours) for f in ("requests", "prompt_tokens", "completion_tokens")]
+        return totals == [REQUESTS, prompt, completion]
+
+    await wait_for(hourly_adds_up, timeout_s=60,
+                   what=f"usage_hourly adds up to {REQUESTS} requests, {prompt} + {completion} tokens")
+    redis = make_redis(stack.redis)
+    try:
+        spend = await SpendBook(redis, stack.redis).read(org, month_of(started))
+    finally:
+        await redis.aclose()
+    assert spend.billed_nanos == ledger_nanos(r["cost"] for r in listed), "the spend counts a request twice"
     for request_id, u in usage.items():
         assert (rows[request_id]["prompt_tokens"], rows[request_id]["completion_tokens"]) == (
             u.prompt_tokens, u.completion_tokens), request_id

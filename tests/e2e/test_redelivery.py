@@ -38,9 +38,17 @@ async def test_a_duplicated_request_record_is_generated_once(worker: ServiceProc
     finally:
         await producer.stop()
 
-    assert await wait_for(lambda: metric(scrape(f"http://127.0.0.1:{WORKER_ADMIN_PORT}/metrics"),
-                                         "kns_worker_requests_skipped_total", reason="duplicate") == skipped_before + 1)
-    usage = await wait_for(lambda: usage_events(stack, request.request_id), timeout_s=30)
+    # Both copies handled: the second skipped as a duplicate, the first committed with its usage. Nothing of this
+    # request can come after both.
+    await wait_for(lambda: metric(scrape(f"http://127.0.0.1:{WORKER_ADMIN_PORT}/metrics"),
+                                  "kns_worker_requests_skipped_total", reason="duplicate") == skipped_before + 1,
+                   what="the second copy skipped as a duplicate")
+    usage = await wait_for(lambda: usage_events(stack, request.request_id), timeout_s=30,
+                           what="the first copy's usage committed")
     assert len(usage) == 1 and usage[0].completion_tokens == 6
-    finals = [e for e in await token_events(stack, request.request_id) if e.finish_reason]
+    events = await token_events(stack, request.request_id)
+    assert {e.attempt for e in events} == {events[0].attempt}, "generated under two attempts"
+    assert [e.seq for e in events] == list(range(len(events))), "a token event twice, or one missing"
+    assert sum(len(e.token_ids) for e in events) == 6, "more tokens in the log than one generation's"
+    finals = [e for e in events if e.finish_reason]
     assert len(finals) == 1 and finals[0].usage.completion_tokens == 6

@@ -8,6 +8,8 @@ the text identical to an uninterrupted run. Ids that are forged, another org's o
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -16,8 +18,11 @@ import httpx
 import orjson
 import pytest
 
+from runtime.settings import Settings
+from schemas.events import ChatRequest
+from schemas.topics import TOPICS
 from tests.conftest import GATEWAY_PORT, SESSION, Caller
-from tests.e2e.conftest import MODEL, gateway_process
+from tests.e2e.conftest import MODEL, gateway_process, records_of, token_records
 from tests.helpers import ServiceProcess, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -192,8 +197,19 @@ async def test_forged_foreign_and_expired_ids_get_404_and_a_finished_stream_repl
     assert replay.text == finished.text and replay.done and replay.ids[-1] == finished.ids[-1]
 
 
+async def _submitted_with(settings: Settings, tag: str) -> str | None:
+    """The id of the request submitted with ``metadata.client_request == tag``, once it is in the log."""
+    requests = await records_of(settings, TOPICS.requests_submitted, ChatRequest,
+                                lambda r: r.metadata.get("client_request") == tag)
+    return requests[0].request_id if requests else None
+
+
 async def test_a_stored_completion_is_fetched_by_id_after_its_gateway_died(doomed: ServiceProcess, base_url: str,
-                                                                           caller: Caller) -> None:
+                                                                           caller: Caller, stack: Settings,
+                                                                           worker: ServiceProcess) -> None:
+    """The gateway dies with the request accepted and generating (its first token is in the log), before it could
+    answer: the worker is frozen (SIGSTOP) from that token until the gateway is dead, so a fast engine cannot
+    finish first."""
     import openai
 
     tag = f"resume-{time.time_ns()}"
@@ -203,8 +219,15 @@ async def test_a_stored_completion_is_fetched_by_id_after_its_gateway_died(doome
                                      headers={"Authorization": f"Bearer {caller.secret}"})).json()
         asking = asyncio.ensure_future(http.post(f"http://127.0.0.1:{DOOMED_PORT}/v1/chat/completions", json=body,
                                                  headers={"Authorization": f"Bearer {caller.secret}"}))
-        await asyncio.sleep(1.5)  # accepted and generating: the gateway dies before it can answer
-        doomed.kill()
+        request_id = await wait_for(lambda: _submitted_with(stack, tag), timeout_s=60, interval_s=0.1,
+                                    what="the request accepted")
+        await wait_for(lambda: token_records(stack, request_id), timeout_s=60, interval_s=0.05,
+                       what="the request generating")
+        os.killpg(worker.proc.pid, signal.SIGSTOP)  # type: ignore[union-attr]
+        try:
+            doomed.kill()  # the gateway dies before it can answer
+        finally:
+            os.killpg(worker.proc.pid, signal.SIGCONT)  # type: ignore[union-attr]
         with pytest.raises(httpx.HTTPError):
             await asking
     # The dead gateway never answered, so the client has no id: it finds its completion by the metadata it sent.

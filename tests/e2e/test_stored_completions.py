@@ -77,22 +77,25 @@ async def test_a_stored_completion_is_retrieved_listed_and_deleted(base_url: str
 async def test_bad_stored_completion_input_gets_a_clear_4xx(base_url: str, caller: Caller) -> None:
     auth = {"Authorization": f"Bearer {caller.secret}"}
     async with httpx.AsyncClient(base_url=base_url, headers=auth) as http:
+        # each with the parameter it is refused for: a 400 for another reason must not pass
         cases = [
-            await http.post("/chat/completions", json={"model": MODEL, "messages": QUESTION, "store": True,
-                                                       "metadata": {f"k{i}": "v" for i in range(17)}}),
-            await http.post("/chat/completions", json={"model": MODEL, "messages": QUESTION,
-                                                       "metadata": {"k": "v" * 513}}),
-            await http.get("/chat/completions", params={"limit": 0}),
-            await http.get("/chat/completions", params={"order": "sideways"}),
-            await http.get("/chat/completions", params={"after": ""}),
-            await http.get("/chat/completions", params={"metadata": "x"}),
+            ("metadata", await http.post("/chat/completions", json={
+                "model": MODEL, "messages": QUESTION, "store": True, "metadata": {f"k{i}": "v" for i in range(17)}})),
+            ("metadata", await http.post("/chat/completions", json={"model": MODEL, "messages": QUESTION,
+                                                                    "metadata": {"k": "v" * 513}})),
+            ("limit", await http.get("/chat/completions", params={"limit": 0})),
+            ("order", await http.get("/chat/completions", params={"order": "sideways"})),
+            ("after", await http.get("/chat/completions", params={"after": ""})),
+            ("metadata", await http.get("/chat/completions", params={"metadata": "x"})),
         ]
         missing = [await http.delete("/chat/completions/chatcmpl-nope"),
                    await http.get("/chat/completions", params={"after": "chatcmpl-nope"})]
         allowed = (await http.request("OPTIONS", "/chat/completions")).headers.get("allow")
-    for answer in cases:
+    for param, answer in cases:
         assert answer.status_code == 400, answer.text
-        assert set(answer.json()["error"]) >= {"message", "type", "param", "code"}
+        error = answer.json()["error"]
+        assert set(error) >= {"message", "type", "param", "code"} and error["message"], answer.text
+        assert (error["param"] or "").split(".")[0] == param, (param, error)
     for answer in missing:
         assert answer.status_code == 404 and answer.json()["error"]["code"] == "not_found", answer.text
     assert allowed == "GET, POST"

@@ -16,7 +16,7 @@ import pytest
 from producers.tenancy.admin import OPERATORS_ORG
 from tests.conftest import GATEWAY_PORT, Caller
 from tests.e2e.conftest import MODEL, QUESTION
-from tests.helpers import ServiceProcess
+from tests.helpers import ServiceProcess, wait_for
 
 pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
@@ -105,16 +105,27 @@ async def test_a_model_outside_the_keys_allow_list_gets_403(gateway: ServiceProc
     assert served.status_code == 200, served.text
 
 
-async def test_a_rotated_key_keeps_its_old_secret_for_the_grace_then_revocation_stops_both(
+async def test_a_rotated_key_keeps_its_old_secret_until_the_grace_ends_then_revocation_stops_the_new_one(
         gateway: ServiceProcess, admin_key: str) -> None:
+    grace_s = 3
     async with httpx.AsyncClient(timeout=30) as http:
         _, key = await _org_with_key(http, admin_key)
-        rotated = await _admin(http, admin_key, "POST", f"/keys/{key['id']}/rotate", {"grace_s": 600})
+        asked = datetime.now(UTC)
+        rotated = await _admin(http, admin_key, "POST", f"/keys/{key['id']}/rotate", {"grace_s": grace_s})
         assert rotated.status_code == 200, rotated.text
         new = rotated.json()
         assert new["id"] == key["id"] and new["value"] != key["value"]
         for secret in (key["value"], new["value"]):
             assert (await http.get(_url(GATEWAY_PORT, "/v1/models"), headers=_auth(secret))).status_code == 200
+
+        async def old_refused() -> bool:
+            answer = await http.get(_url(GATEWAY_PORT, "/v1/models"), headers=_auth(key["value"]))
+            assert answer.status_code in (200, 401), answer.text
+            return answer.status_code == 401
+
+        await wait_for(old_refused, timeout_s=grace_s + 10, interval_s=0.1, what="the old secret refused")
+        assert datetime.now(UTC) >= asked + timedelta(seconds=grace_s), "the old secret stopped before its grace"
+        assert (await http.get(_url(GATEWAY_PORT, "/v1/models"), headers=_auth(new["value"]))).status_code == 200
         assert (await _admin(http, admin_key, "DELETE", f"/keys/{key['id']}")).status_code == 200
         for secret in (key["value"], new["value"]):
             assert (await http.get(_url(GATEWAY_PORT, "/v1/models"), headers=_auth(secret))).status_code == 401

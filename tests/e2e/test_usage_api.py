@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+from fractions import Fraction
 
 import httpx
 import openai
@@ -16,6 +17,15 @@ from tests.e2e.conftest import MODEL
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
+
+
+def _by_hand(input_rate: Decimal, cached_rate: Decimal, output_rate: Decimal,
+             usage: openai.types.CompletionUsage) -> Fraction:
+    """A request's cost in dollars from per-million-token rates, in exact fractions."""
+    details = usage.prompt_tokens_details
+    cached = (details.cached_tokens or 0) if details is not None else 0
+    return (Fraction(input_rate) * (usage.prompt_tokens - cached) + Fraction(cached_rate) * cached
+            + Fraction(output_rate) * usage.completion_tokens) / 1_000_000
 
 
 @pytest.mark.timeout(180)  # answers for two orgs, then up to 60 s for their billing
@@ -49,8 +59,10 @@ async def test_usage_reports_the_callers_org_only(base_url: str, make_caller) ->
         assert line["model"] == MODEL and line["requests"] == len(usages)
         assert line["prompt_tokens"] == sum(u.prompt_tokens for u in usages)
         assert line["completion_tokens"] == sum(u.completion_tokens for u in usages)
-        expected_cost = sum((price.cost(u.prompt_tokens, u.completion_tokens, 0) for u in usages), Decimal(0))
-        assert Decimal(line["cost_usd"]) == expected_cost
+        # by hand from the seed's rates (not billing's Price.cost): uncached and cached prompt tokens, completion
+        expected_cost = sum((_by_hand(price.input_per_mtok, price.cached_input_per_mtok, price.output_per_mtok, u)
+                             for u in usages), Fraction(0))
+        assert Fraction(Decimal(line["cost_usd"])) == expected_cost, (line["cost_usd"], float(expected_cost))
     by_day = (await report(alice.secret, group_by="day")).json()
     assert [row["day"] for row in by_day["data"]] == [datetime.now(UTC).date().isoformat()]
 
