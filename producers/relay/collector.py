@@ -140,7 +140,10 @@ class StreamCollector:
             self._forget_expiry()  # cancelled as the timer went off: its wake-up is no news for the next wait
             raise
         finally:
-            self._deadline = None
+            # NOTE: a cancelled wait cleans up on its task's next step, maybe after another wait began: that one's
+            # deadline stays (clearing it, its timer found nobody waiting and it never timed out)
+            if self._deadline is deadline:
+                self._deadline = None
         if self._forget_expiry():
             raise TimeoutError
 

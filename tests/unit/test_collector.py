@@ -137,3 +137,21 @@ async def test_news_that_comes_as_the_timer_goes_off_is_delivered_not_lost() -> 
     except TimeoutError:
         text = (await c.get(0.05)).text
     assert text == "a"
+
+
+def test_a_wait_begun_before_a_cancelled_waits_clean_up_still_ends_at_its_deadline() -> None:
+    """A wait cancelled (its client left) cleans up only when its task next runs; a wait another task began before
+    then must keep its own deadline (it lost it: its ``get`` never timed out, a stream with no news hung for good)."""
+    async def scenario() -> None:
+        c, loop = StreamCollector("r"), asyncio.get_running_loop()
+        long_wait = asyncio.ensure_future(c.get(5))
+        await asyncio.sleep(0)
+        long_wait.cancel()  # its clean-up runs on its next step, after the wait below has begun
+        started = loop.time()
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(10):  # only stops a hang (in this task: the wait begins before the clean-up)
+                await c.get(0.05)
+        assert loop.time() - started == pytest.approx(0.05, abs=0.002)
+        await asyncio.wait([long_wait])
+
+    run_in_virtual_time(scenario)
