@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
-from runtime.redis_client import key
+from runtime.redis_client import request_claim_key
 from runtime.settings import RedisSettings
 
 # KEYS[1]: claim hash. ARGV: source, ttl_s, worker, org, key, attempt (generation).
@@ -79,7 +79,7 @@ class RequestClaims:
         self._set_field = redis.register_script(_SET_FIELD)
 
     def _key(self, request_id: str) -> str:
-        return key(self._settings, "request", request_id)
+        return request_claim_key(self._settings, request_id)
 
     async def claim(self, request_id: str, source: str, attempt: int, *, org_id: str = "", key_id: str = ""
                     ) -> Claim:

@@ -1,6 +1,7 @@
-"""Every worker reads the whole control topic (no consumer group): a cancel or halt names a request id, and
-only the worker generating it acts. Events are read from a short look-back at start-up, so a cancel that
-arrived while its request still waited in the backlog is not missed.
+"""Every worker reads the whole control topic (no consumer group): a cancel, halt, attach or detach names a request
+id, and only the worker generating it acts. Events are read from a short look-back at start-up, so a cancel that
+arrived while its request still waited in the backlog is not missed, nor the client connections of a stream a
+worker takes over (``listeners.py``).
 """
 
 from __future__ import annotations
@@ -24,20 +25,30 @@ log = logging.getLogger(__name__)
 
 
 class RecentControls:
-    """Bounded memory of control events by request id (for requests not yet started here)."""
+    """Bounded memory of control events by request id, for requests not started here yet: a cancel that came while
+    the request waited in the backlog, and the client connections a takeover inherits (attached, detached)."""
+
+    #: events kept per request: a stream resumed and dropped more often than this keeps its latest ones
+    PER_REQUEST = 64
 
     def __init__(self, capacity: int = 50_000) -> None:
-        self._events: OrderedDict[str, ControlEvent] = OrderedDict()
+        self._events: OrderedDict[str, list[ControlEvent]] = OrderedDict()
         self._capacity = capacity
 
     def remember(self, event: ControlEvent) -> None:
-        self._events[event.request_id] = event
+        events = self._events.setdefault(event.request_id, [])
+        events.append(event)
+        del events[:-self.PER_REQUEST]
         self._events.move_to_end(event.request_id)
         while len(self._events) > self._capacity:
             self._events.popitem(last=False)
 
-    def get(self, request_id: str) -> ControlEvent | None:
-        return self._events.get(request_id)
+    def stop(self, request_id: str) -> ControlEvent | None:
+        """The latest cancel or halt of the request, if any."""
+        return next((e for e in reversed(self._events.get(request_id, ())) if e.stops), None)
+
+    def history(self, request_id: str) -> list[ControlEvent]:
+        return list(self._events.get(request_id, ()))
 
 
 class ControlListener:

@@ -10,13 +10,18 @@ started (its claim says so, or the previous owner's commit listed it as open) is
 reads what it emitted (``prefix.py``) and continues from there (``resume.py``). A task ends in one of three ways:
 
 * finished by the engine (stop, length, error): its final event and usage are committed by the Finalizer;
-* aborted by a cancel, a halt, an unattended stream (its gateway is gone) or a lost delta: same, with what was
-  emitted so far;
+* aborted by a cancel, a halt, an unattended stream (no client connection attached for its resume window,
+  ``listeners.py``) or a lost delta: same, with what was emitted so far;
 * aborted because its partition moved or the worker is stopping: nothing is committed, the partition's next
   owner takes it over.
 
 A request whose queue deadline passed before it started is not generated and not billed: its client gets
 ``queue_deadline_exceeded``.
+
+While no client connection is attached to a stream (its client dropped and has not resumed yet, or its gateway
+died), the engine goes on but its output is *held* here, not emitted: a client that resumes within the window gets
+it at once (the next engine step emits it with the new tokens), and one that never comes back never finds it in
+the log, so what nobody received is neither billed nor retrievable for free later.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from inference_workers.claims import ClaimVerdict
 from inference_workers.control import RecentControls
 from inference_workers.emitter import Delivery, Finished, PartitionLost
 from inference_workers.head_start import HeadStart
+from inference_workers.listeners import Listeners
 from inference_workers.offsets import OffsetTracker, Taken
 from inference_workers.protocol import (
     ClaimsT,
@@ -63,6 +69,7 @@ from runtime.metrics import (
     WORKER_TAKEOVERS,
     WORKER_TOKENS_OUT,
     WORKER_TTFT,
+    WORKER_UNATTENDED_TOKENS,
 )
 from runtime.tracing import child_of, from_headers
 from schemas.errors import DecodeError, FatalError, RetryLater
@@ -123,11 +130,14 @@ class Job:
     seq: int = 0
     last_delivery: Delivery | None = None
     in_flight: set[Delivery] = field(default_factory=set)
-    #: what the client is known to have when it stops receiving: a gateway's cancel says how many tokens it
-    #: delivered; a stream nobody relays any more had at most what was emitted while a gateway was last seen
-    #: relaying it (its own, or one that resumed it)
+    #: what is billed of a generation stopped before its end (None: everything emitted), decided when it is
+    #: stopped from its client connections (``listeners.py``)
     received_cap: int | None = None
-    attended_tokens: int = 0
+    #: the client connections of its stream, from the control topic and the presence check
+    listeners: Listeners = field(default_factory=lambda: Listeners.of(""))
+    #: output generated while no connection was attached, not emitted yet (emitted when a client comes back)
+    held_ids: list[int] = field(default_factory=list)
+    held_text: list[str] = field(default_factory=list)
     #: generation is over and its outcome being committed: aborting it now would only lose the commit
     finalizing: bool = False
     #: the completion's text so far, earlier attempts' included (kept only when it is stored or a turn recorded)
@@ -139,7 +149,8 @@ class Job:
         return {"request_id": self.request.request_id, "attempt": self.attempt, "tokens": self.tokens,
                 "max_tokens": self.request.sampling.max_tokens, "partition": self.source.partition,
                 "offset": self.offset, "aborting": self.abort_cause, "takeover": self.takeover,
-                "gateway": self.request.reply.gateway_id}
+                "gateway": self.request.reply.gateway_id, "attended": self.listeners.live,
+                "held": len(self.held_ids)}
 
 
 @dataclass
@@ -158,7 +169,8 @@ class Intake:
     def __init__(self, *, engine: EngineClient, worker_id: str, claims: ClaimsT, sink: TokenSinkT,
                  finalizer: FinalizerT, offsets: OffsetTracker, prefix: PrefixReaderT, max_in_flight: int,
                  dead_letters: DeadLetters | None = None, retry_delay_s: float = 1.0,
-                 give_up_s: float = 60.0, priority_of: Callable[[TopicPartition], int] | None = None) -> None:
+                 give_up_s: float = 60.0, priority_of: Callable[[TopicPartition], int] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._engine = engine
         #: the engine priority of a request from a partition: its work queue's class rank (0 highest)
         self._priority_of = priority_of or (lambda _tp: 0)
@@ -172,6 +184,8 @@ class Intake:
         self._dead_letters = dead_letters
         self._retry_delay_s = retry_delay_s
         self._give_up_s = give_up_s
+        #: the unattended clock (``Listeners.unattended_since``), shared with the presence check
+        self.clock = clock
         self.jobs: dict[str, Job] = {}
         self._controls = RecentControls()
         #: partitions records may be admitted from (owned, and not being rebalanced), with the consumer-group
@@ -233,7 +247,7 @@ class Intake:
     async def _admit(self, request: ChatRequest, record: ConsumerRecord[bytes, bytes], tp: TopicPartition) -> None:
         attempt = self._active[tp]
         inherited = self._offsets.inherited(tp, record.offset)
-        cancelled = self._controls.get(request.request_id) is not None
+        cancelled = self._controls.stop(request.request_id) is not None
         head = self._head_start(request, tp, attempt) if not inherited and not cancelled else None
         started = time.perf_counter()
         try:
@@ -260,12 +274,13 @@ class Intake:
         self._offsets.taken(tp, record.offset)
         job = Job(request, tp, record.offset, attempt, child_of(from_headers(record.headers)), started, utcnow())
         job.takeover = claim.previous > 0 or inherited
-        early = self._controls.get(request.request_id)  # read again: one may have come during the claim
+        job.listeners = self._listeners_of(request)
+        early = self._controls.stop(request.request_id)  # read again: one may have come during the claim
         if early is not None:
             # Cancelled while it waited in the backlog (or for its claim): commit it as such, the engine forgets it.
             await _dropped(head)
             job.abort_cause = _cause(early)
-            job.received_cap = early.delivered_tokens
+            job.received_cap = job.listeners.received_cap()
         elif not job.takeover:
             job.head = head
         self.jobs[request.request_id] = job
@@ -276,6 +291,18 @@ class Intake:
         log.info("request admitted", extra={"attempt": attempt, "partition": tp.partition,
                                             "offset": record.offset, "takeover": job.takeover})
         return None
+
+    def _listeners_of(self, request: ChatRequest) -> Listeners:
+        """The stream's client connections as the control topic has told them so far (a takeover inherits them);
+        one left unattended by then has been for as long as its last event is old."""
+        listeners = Listeners.of(request.reply.gateway_id)
+        history = self._controls.history(request.request_id)
+        for event in history:
+            listeners.apply(event)
+        if history and not listeners.live:
+            age_s = (utcnow() - history[-1].issued_at).total_seconds()
+            listeners.note(self.clock() - max(0.0, age_s))
+        return listeners
 
     def _head_start(self, request: ChatRequest, tp: TopicPartition, attempt: int) -> HeadStart | None:
         """Give the engine a fresh request before its claim is back, when nothing says it is not fresh (see
@@ -347,27 +374,27 @@ class Intake:
         job = self.jobs.get(event.request_id)
         if job is None:
             return
+        job.listeners.apply(event)
+        if not event.stops:
+            job.listeners.note(self.clock())
+            log.info("client connection changed", extra={"request_id": event.request_id, "action": event.action.value,
+                                                          "attachment": event.attachment,
+                                                          "attended": job.listeners.live})
+            return
         log.info("aborting on control event", extra={"request_id": event.request_id,
                                                       "action": event.action.value, "reason": event.reason})
-        if job.abort_cause is None and event.delivered_tokens is not None:
-            job.received_cap = event.delivered_tokens
+        if job.abort_cause is None:
+            job.received_cap = job.listeners.received_cap()
         self._abort(job, _cause(event))
 
-    def attended(self, request_id: str) -> None:
-        """A gateway relaying this stream (its own, or one that resumed it) was seen alive: what it emitted so far
-        may have reached the client."""
-        job = self.jobs.get(request_id)
-        if job is not None:
-            job.attended_tokens = job.tokens
-
     def cancel_unattended(self, request_id: str) -> bool:
-        """Nobody listens to this stream any more (its gateway is gone, nobody resumed it within the window): stop
-        generating it, and bill no more than was emitted while a gateway was last seen relaying it."""
+        """No client connection has been attached to this stream for its window: stop generating it, billed for the
+        most any connection received (``Listeners.received_cap``)."""
         job = self.jobs.get(request_id)
-        if job is None:
+        if job is None or job.listeners.live:
             return False
         if job.abort_cause is None:
-            job.received_cap = job.attended_tokens
+            job.received_cap = job.listeners.received_cap()
         self._abort(job, "unattended")
         return True
 
@@ -494,7 +521,7 @@ class Intake:
         job.prefix, job.tokens, job.ran = prefix, prefix.tokens, prefix.tokens > 0
         # What earlier attempts emitted was relayed by some gateway, or is resumable: a later unattended cancel
         # bills at least that (a new Job knows nothing of the presence checks of the attempts before it).
-        job.attended_tokens = max(job.attended_tokens, prefix.tokens)
+        job.listeners.took_over(prefix.tokens)
         if job.request.keeps_record:
             job.text_parts = [prefix.text]
 
@@ -542,9 +569,16 @@ class Intake:
             cached = delta.cached_tokens
             ids, text = replay.feed(delta.token_ids, delta.text) if replay else (delta.token_ids, delta.text)
             if delta.finish_reason is not None:
+                # A finished answer is emitted whole, held output included: it stays resumable, and is billed
+                ids, text = self._unhold(job, ids, text)
                 return Outcome(delta.finish_reason, ids, text, cached_tokens=cached)
             if not ids and not text:
                 continue
+            if not job.listeners.live and not request.background:
+                job.held_ids += ids  # nobody attached: held until a client comes back (or dropped with the window)
+                job.held_text.append(text)
+                continue
+            ids, text = self._unhold(job, ids, text)
             out = self._delta(job, ids, text)  # raises here, in this request's own task, on what is not a delta
             ids, text = out.token_ids, out.text
             delivery = await self._sink.emit(out, request.reply.partition, job.traceparent)
@@ -558,6 +592,16 @@ class Intake:
                 job.text_parts.append(text)
         return Outcome("error", [], "", "the engine ended the stream without a finish reason",
                        ErrorCode.GENERATION_FAILED.value)
+
+    @staticmethod
+    def _unhold(job: Job, ids: list[int], text: str) -> tuple[list[int], str]:
+        """Output held while nobody was attached, ahead of ``ids``: a client is back (or the answer is finished)."""
+        if not job.held_ids and not job.held_text:
+            return ids, text
+        WORKER_UNATTENDED_TOKENS.labels(fate="resumed").inc(len(job.held_ids))
+        ids, text = [*job.held_ids, *ids], "".join(job.held_text) + text
+        job.held_ids, job.held_text = [], []
+        return ids, text
 
     def _delivered(self, job: Job, token_offset: int, first: bool, delivery: Delivery) -> None:
         job.in_flight.discard(delivery)
@@ -594,6 +638,10 @@ class Intake:
     async def _finalize(self, job: Job, outcome: Outcome) -> None:
         request = job.request
         job.finalizing = True
+        if job.held_ids:
+            # Stopped while nobody was attached: what was held reached nobody, and is neither billed nor in the log
+            WORKER_UNATTENDED_TOKENS.labels(fate="wasted").inc(len(job.held_ids))
+            job.held_ids, job.held_text = [], []
         if job.in_flight:
             # Every delta acknowledged (or failed) first: what the client can have decides the final and the bill.
             # ``wait``, not ``gather``: a cancelled gather cancels what it waits for, and a delivery future is
@@ -615,7 +663,10 @@ class Intake:
         elif received is not None:
             completion = received
         prompt = len(request.prompt_token_ids)
-        billed = completion > 0 or (job.ran and job.abort_cause is None)
+        # A prompt the engine processed is billed whoever stopped the generation (a cancel before the first token
+        # costs a prefill: without this, a loop of big prompts cancelled at once was free GPU work), except when the
+        # platform failed to deliver its tokens
+        billed = completion > 0 or (job.ran and job.abort_cause != "delivery")
         cached = min(outcome.cached_tokens, prompt)
         usage = TokenUsage(prompt_tokens=prompt if billed else 0, completion_tokens=completion,
                            cached_tokens=cached if billed else 0)

@@ -40,7 +40,6 @@ from runtime.kafka_clients import committed_with_metadata, consume, make_consume
 from runtime.limiter import RateLimiter
 from runtime.redis_client import make_redis
 from runtime.settings import Settings
-from runtime.streams import StreamDirectory
 from schemas.codec import codec_for
 from schemas.events import ChatRequest
 from schemas.topics import PRIORITIES, TOPICS
@@ -178,8 +177,7 @@ class Worker:
             stack.push_async_callback(control.stop)
             self._control = control
             presence = GatewayPresence(redis, s.redis, intake, check_every_s=worker.presence_check_s,
-                                       grace_s=worker.unattended_grace_s,
-                                       streams=StreamDirectory(redis, s.redis, ttl_s=s.gateway.resume_ttl_s))
+                                       grace_s=worker.unattended_grace_s)
             presence_loop = asyncio.create_task(presence.run(), name="gateway-presence")
 
             assignor = StickyLoadAssignor(offsets.open_counts)

@@ -47,6 +47,9 @@ GATEWAY_ITL = Histogram(
 GATEWAY_E2E = Histogram("kns_gateway_e2e_seconds", "Request received to last byte sent", buckets=_SLOW)
 GATEWAY_TOKENS_OUT = Counter("kns_gateway_tokens_out_total", "Completion tokens delivered to clients")
 GATEWAY_CANCELS = Counter("kns_gateway_cancels_total", "Cancel events produced for departed clients")
+GATEWAY_DROPPED = Counter(
+    "kns_gateway_dropped_connections_total",
+    "Streamed client connections that dropped and were detached (generation goes on for the resume window)")
 GATEWAY_RESUMES = Counter(
     "kns_gateway_stream_resumes_total", "Streams resumed on this gateway (Last-Event-ID, starting_after), by outcome",
     ["outcome"]
@@ -113,6 +116,10 @@ WORKER_TTFT = Histogram(
     "kns_worker_ttft_seconds", "Request consumed to first engine output", buckets=_SLOW
 )
 WORKER_TOKENS_OUT = Counter("kns_worker_tokens_out_total", "Completion tokens emitted")
+WORKER_UNATTENDED_TOKENS = Counter(
+    "kns_worker_unattended_tokens_total",
+    "Completion tokens generated while no client connection was attached to the stream (held by the worker): "
+    "resumed (a client came back within the window and got them) or wasted (nobody did: not billed)", ["fate"])
 WORKER_TXN = Histogram(
     "kns_worker_finalize_txn_seconds", "Duration of one finalizing Kafka transaction", buckets=_FAST
 )

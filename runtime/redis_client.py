@@ -26,6 +26,12 @@ def key(settings: RedisSettings, *parts: str | int) -> str:
     return settings.key_prefix + ":".join(str(p) for p in parts)
 
 
+def request_claim_key(settings: RedisSettings, request_id: str) -> str:
+    """A request's claim (``inference_workers/claims.py``): who generates it, and ``done`` once its commit is
+    through; the gateway reads ``done`` to answer a cancel of a finished completion."""
+    return key(settings, "request", request_id)
+
+
 def gateway_alive_key(settings: RedisSettings, gateway_id: str) -> str:
     """Set (with a TTL) by a living gateway process; workers stop generating for gateways without it."""
     return key(settings, "gateway-alive", gateway_id)

@@ -190,6 +190,12 @@ class GatewaySettings(BaseModel):
     # A stream can be resumed on any gateway (Last-Event-ID, starting_after) for this long after it was accepted;
     # later, or for an unknown or another org's id, the answer is 404. Its tokens stay on the token topic (a day).
     resume_ttl_s: float = 900.0
+    # A streamed client whose connection drops (a mobile network, a Wi-Fi handover, a tab reloaded) has this long to
+    # reconnect on any gateway (Last-Event-ID, starting_after) before its generation is cancelled: the worker goes
+    # on, holding what it generates until a client is back (inference_workers/listeners.py). The same as the
+    # workers' grace for a gateway that died: a client cannot tell the two apart. 0: a dropped connection cancels at
+    # once, as vLLM's server does. A tier may set its own (tenancy.tiers.<tier>.resume_window_s).
+    resume_window_s: float = Field(default=30.0, ge=0)
     # Chat-completion stream events carry their ``id:`` line (the Last-Event-ID a client resumes with). Off: OpenAI's
     # exact bytes, for SSE parsers that read each event as one ``data:`` line (vLLM's benchmark client); a request
     # chooses for itself with the ``kns-event-ids: on|off`` header.
@@ -358,6 +364,8 @@ class TierPolicy(BaseModel):
     queue_deadline_s: float | None = Field(default=None, gt=0)
     #: the priority class its requests queue in (one admitted-request topic per class, ``schemas/topics.py``)
     priority: Literal["high", "standard", "low"] = "standard"
+    #: how long a dropped stream waits for its client to reconnect (None: ``gateway.resume_window_s``)
+    resume_window_s: float | None = Field(default=None, ge=0)
 
 
 _TIER_DEFAULTS: dict[str, dict[str, object]] = {

@@ -6,9 +6,9 @@ carries its tokens and an offset at or before its first token event, and what it
 creation time, usage chunk). Any gateway can then serve the rest of the stream from the log, after the accepting
 one died or stopped: chat completions (``Last-Event-ID``) and the Responses API (``starting_after``) alike.
 
-A stream record lives ``resume_ttl_s`` (the resume window); a request id without one, or another org's, is
-answered 404. A resuming gateway names itself the stream's *listener*: workers keep generating a stream whose
-accepting gateway is gone while some gateway listens (``inference_workers/presence.py``).
+A stream record lives ``resume_ttl_s``; a request id without one, or another org's, is answered 404. A resuming
+gateway names itself the stream's *listener* (for operators; the workers learn of a resume from the control topic,
+``inference_workers/listeners.py``).
 
 Positions: a stream's events are numbered by the deltas its merge accepts (``schemas/token_stream.py``), which
 every reader of the log computes alike, whatever it coalesced into one chunk: 0 is the stream's start (the role
@@ -25,7 +25,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from runtime.redis_client import key
+from runtime.redis_client import key, request_claim_key
 from runtime.settings import RedisSettings
 
 #: what an event id looks like: ``chatcmpl-…:12``
@@ -102,6 +102,10 @@ class StreamDirectory:
     async def forget(self, request_id: str) -> None:
         """The stream can no longer be resumed (its response was deleted)."""
         await self._redis.delete(self._key(request_id))
+
+    async def finished(self, request_id: str) -> bool:
+        """Whether the request's generation has ended and been committed (its claim says ``done``)."""
+        return bool(await self._redis.hexists(request_claim_key(self._settings, request_id), "done"))
 
     async def listen(self, request_id: str, gateway_id: str) -> None:
         """This gateway process now serves the stream (``XX``-like: a record gone meanwhile stays gone)."""

@@ -217,6 +217,13 @@ class ControlAction(enum.StrEnum):
     HALT = "HALT"
     # Reader default for actions added by newer writers.
     UNKNOWN = "UNKNOWN"
+    #: v3: a client connection now receives the stream (a resume), or went away (generation goes on for its window)
+    ATTACH = "ATTACH"
+    DETACH = "DETACH"
+
+
+#: the accepting gateway's connection to a stream's client (a resume attaches one of its own id)
+ORIGIN_ATTACHMENT = "0"
 
 
 class ControlEvent(Event):
@@ -225,8 +232,18 @@ class ControlEvent(Event):
     reason: str
     issued_by: str
     issued_at: datetime
-    #: v2, on a gateway's cancel: the completion tokens its client had received (what is billed)
+    #: v2, on a connection's cancel or detach: the completion tokens its client had received
     delivered_tokens: int | None = None
+    #: v3: the client connection the event is about (``ORIGIN_ATTACHMENT``, or a resume's own id); None on a cancel
+    #: no connection issued (the explicit cancel endpoint)
+    attachment: str | None = None
+    #: v3, on a detach: how long generation goes on for a client to resume with no connection attached
+    window_s: float | None = None
+
+    @property
+    def stops(self) -> bool:
+        """A cancel or a halt: generation stops (attach and detach only say who listens)."""
+        return self.action in (ControlAction.CANCEL, ControlAction.HALT)
 
 
 class UsageEvent(Event):

@@ -97,7 +97,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             producer, kafka,
             (lambda _: TOPICS.requests_submitted) if settings.safety.prefilter else
             (lambda request: TOPICS.admitted(tiers.policy(request.tier).priority)),
-            TOPICS.control, settings.gateway.instance_id, affinity=settings.gateway.conversation_affinity)
+            TOPICS.control, claim.gateway_id, affinity=settings.gateway.conversation_affinity)
         tenancy_settings = settings.tenancy
         price_store = await asyncio.to_thread(PriceStore, session, settings.cassandra.keyspace,
                                               PriceLead(settings.processors.price_reload_s))

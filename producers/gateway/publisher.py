@@ -1,4 +1,5 @@
-"""Produces the gateway's events: chat requests (to the request topic) and cancels (to the control topic).
+"""Produces the gateway's events: chat requests (to the request topic); cancels, and the client connections that
+attach to or detach from a stream (to the control topic).
 
 One idempotent producer (``acks=all``) per gateway process. A request is keyed by its conversation id when
 it has one, so the turns of a conversation land on one partition (one worker, a warm prefix cache).
@@ -52,12 +53,30 @@ class EventPublisher:
             raise unavailable(f"The request queue is unavailable ({type(exc).__name__}); retry shortly.") from exc
 
     async def cancel(self, request_id: str, reason: str, traceparent: str | None = None,
-                     delivered_tokens: int | None = None) -> None:
-        """Tell the workers to stop generating a request; ``delivered_tokens``: what its client received (billed)."""
-        event = ControlEvent(request_id=request_id, action=ControlAction.CANCEL, reason=reason,
-                             issued_by=self._gateway_id, issued_at=utcnow(), delivered_tokens=delivered_tokens)
+                     delivered_tokens: int | None = None, attachment: str | None = None) -> None:
+        """Tell the workers to stop generating a request. ``attachment``: the client connection this ends (None: an
+        explicit cancel, by no connection), ``delivered_tokens`` what its client received."""
+        await self._control(ControlEvent(request_id=request_id, action=ControlAction.CANCEL, reason=reason,
+                                         issued_by=self._gateway_id, issued_at=utcnow(),
+                                         delivered_tokens=delivered_tokens, attachment=attachment), traceparent)
+        GATEWAY_CANCELS.inc()
+
+    async def attach(self, request_id: str, attachment: str, traceparent: str | None = None) -> None:
+        """A client connection of this gateway now receives the stream (a resume)."""
+        await self._control(ControlEvent(request_id=request_id, action=ControlAction.ATTACH, reason="resumed",
+                                         issued_by=self._gateway_id, issued_at=utcnow(), attachment=attachment),
+                            traceparent)
+
+    async def detach(self, request_id: str, attachment: str, delivered_tokens: int, window_s: float,
+                     reason: str, traceparent: str | None = None) -> None:
+        """A client connection went away having received ``delivered_tokens``; generation goes on for ``window_s``
+        for a client to resume."""
+        await self._control(ControlEvent(request_id=request_id, action=ControlAction.DETACH, reason=reason,
+                                         issued_by=self._gateway_id, issued_at=utcnow(), attachment=attachment,
+                                         delivered_tokens=delivered_tokens, window_s=window_s), traceparent)
+
+    async def _control(self, event: ControlEvent, traceparent: str | None) -> None:
         await self._producer.send_and_wait(
-            self._control_topic, value=self._controls.encode(event), key=request_id.encode(),
+            self._control_topic, value=self._controls.encode(event), key=event.request_id.encode(),
             headers=to_headers(traceparent) if traceparent else None,
         )
-        GATEWAY_CANCELS.inc()

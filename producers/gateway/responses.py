@@ -233,8 +233,10 @@ class ResponsesService:
         if stored is None:
             view = await self._running(response_id, key)
             if not view.background:
-                raise bad_request("Only background responses can be cancelled.", param="response_id",
-                                  code="invalid_request")
+                # Ours (OpenAI cancels background responses only): a streamed response whose client dropped goes on
+                # for its resume window, and a client that wants it stopped says so here.
+                await self._chat.cancel_stream(response_id, key, traceparent=traceparent, responses=True)
+                return response_object(view, "cancelled")
             try:
                 await self._publisher.cancel(response_id, "cancelled by its client", traceparent)
             except Exception as exc:

@@ -11,9 +11,13 @@ waits for the first token until a grace period after the deadline, then for each
 timeout.
 
 Resuming: every stream has a record in Redis (``runtime/streams.py``); a client reconnecting to any gateway with
-the last event id it received gets the rest, merged from the log. While the gateway stops, its open streams are
-*handed over*: their connections are closed without ``[DONE]`` and without a cancel, the generation goes on, and
-their clients resume elsewhere (a worker keeps a stream nobody listens to for ``worker.unattended_grace_s``).
+the last event id it received gets the rest, merged from the log. Each client connection to a stream is known to
+the worker generating it (``inference_workers/listeners.py``): a resume *attaches* its connection, and a streamed
+client whose connection drops is *detached* with what it received, not cancelled: the generation goes on for its
+tier's resume window (``resume_window_s``), for the client to come back on any gateway. While the gateway stops,
+its open streams are *handed over* the same way: their connections are closed without ``[DONE]`` and without a
+cancel, and their clients resume elsewhere. Only an explicit cancel (:meth:`ChatService.cancel_stream`), a window
+of 0, the gateway giving up, or an error stop a generation at once.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
 from producers.gateway.admission import Admission, Ticket
@@ -48,6 +53,7 @@ from producers.relay.demux import Relay
 from producers.relay.sse import DONE, ChunkFormatter, completion
 from producers.tenancy.view import ApiKey
 from runtime.metrics import (
+    GATEWAY_DROPPED,
     GATEWAY_E2E,
     GATEWAY_HANDOVERS,
     GATEWAY_IN_FLIGHT,
@@ -61,6 +67,7 @@ from runtime.settings import GatewaySettings, TierPolicy
 from runtime.spend import BudgetHold
 from runtime.streams import StreamDirectory, StreamRecord
 from schemas.events import (
+    ORIGIN_ATTACHMENT,
     ChatMessage,
     ChatRequest,
     ErrorCode,
@@ -113,6 +120,10 @@ class Accepted:
     background: bool = False
     #: a resumed stream's record (what its accepting gateway promised the client)
     record: StreamRecord | None = None
+    #: this client connection, as the worker knows it (``ControlEvent.attachment``)
+    attachment: str = ORIGIN_ATTACHMENT
+    #: how long the generation goes on for this client to come back if its connection drops (0: cancelled at once)
+    resume_window_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.request is not None:
@@ -155,6 +166,11 @@ class ChatService:
         policy = self._tiers.get(tier)
         own = policy.queue_deadline_s if policy is not None else None
         return own if own is not None else self._settings.queue_deadline_s
+
+    def resume_window_s(self, tier: str) -> float:
+        policy = self._tiers.get(tier)
+        own = policy.resume_window_s if policy is not None else None
+        return own if own is not None else self._settings.resume_window_s
 
     # --- 1. accept ------------------------------------------------------------------------------------
 
@@ -213,7 +229,8 @@ class ChatService:
             self._spawn(self._admission.unsent(ticket, certain=False))
             raise
         accepted = Accepted(request, collector, traceparent, include_usage, received_at, created=created,
-                            queue_deadline_s=self.queue_deadline_s(key.tier), ticket=ticket)
+                            queue_deadline_s=self.queue_deadline_s(key.tier), ticket=ticket,
+                            resume_window_s=self.resume_window_s(key.tier))
         if request.stream:
             self._track(accepted)
         return accepted
@@ -293,13 +310,18 @@ class ChatService:
             GATEWAY_RESUMES.labels(outcome="conflict").inc()
             raise ApiError(409, f"The stream '{request_id}' is being answered on another connection of this "
                                 "gateway.", code="stream_in_use") from exc
+        attachment = uuid.uuid4().hex[:12]
         try:
             assert self._streams is not None
             await self._streams.listen(request_id, self._reply.gateway_id)
+            # Before the first byte: from here the worker keeps generating for this connection, window or not
+            await self._publisher.attach(request_id, attachment, traceparent)
         except BaseException as exc:
             self._relay.unregister(request_id)
             if isinstance(exc, STREAM_STORE_ERRORS):
                 raise unavailable("The stream registry is unavailable; retry the resume.") from exc
+            if isinstance(exc, KafkaError):
+                raise unavailable("The control topic is unavailable; retry the resume.") from exc
             raise
         GATEWAY_RESUMES.labels(outcome="resumed").inc()
         GATEWAY_IN_FLIGHT.inc()
@@ -307,9 +329,30 @@ class ChatService:
                                           "partition": record.partition, "accepted_by": record.gateway_id})
         accepted = Accepted(None, collector, traceparent, record.include_usage, received_at, created=record.created,
                             model=record.model, client_has=client_has, deadline_at=record.deadline_at,
-                            record=record)
+                            record=record, attachment=attachment, resume_window_s=self.resume_window_s(key.tier))
         self._track(accepted)
         return accepted
+
+    async def cancel_stream(self, request_id: str, key: ApiKey, *, traceparent: str, responses: bool = False) -> None:
+        """Stop a generation on the client's word, from any gateway: honoured by its worker within one engine step,
+        billed for what reached its clients (everything emitted while one is attached). 404 for an id that is
+        unknown, expired or another org's (or of the other API); 409 for one that already ended."""
+        record = await self.stream_record(request_id)
+        if record is None or record.org_id != key.org_id or bool(record.extra) != responses:
+            raise stream_not_found(request_id)
+        try:
+            assert self._streams is not None
+            finished = await self._streams.finished(request_id)
+        except STREAM_STORE_ERRORS as exc:
+            raise unavailable("The stream registry is unavailable; retry the cancel.") from exc
+        if finished:
+            raise ApiError(409, f"The completion '{request_id}' has already ended; there is nothing to cancel.",
+                           code="completion_finished")
+        try:
+            await self._publisher.cancel(request_id, "cancelled by the client", traceparent)
+        except KafkaError as exc:
+            raise unavailable("The control topic is unavailable; retry the cancel.") from exc
+        log.info("cancel requested", extra={"request_id": request_id})
 
     async def stream_record(self, request_id: str) -> StreamRecord | None:
         if self._streams is None:
@@ -457,7 +500,10 @@ class ChatService:
         await self._admission.end(ticket, used_tokens)
 
     def close(self, accepted: Accepted, outcome: str, *, stream: bool) -> None:
-        """Every exit of a stream: unregister it, free its slots, and cancel a generation nobody will receive."""
+        """Every exit of a stream: unregister it, free its slots, and cancel a generation nobody will receive (or, for
+        a streamed client whose connection dropped, leave it its window to come back)."""
+        if outcome == "cancelled" and stream and not accepted.finished and accepted.resume_window_s > 0:
+            outcome = "dropped"
         self._relay.unregister(accepted.request_id)
         self._open.pop(accepted.request_id, None)
         if accepted.ticket is not None:
@@ -471,19 +517,28 @@ class ChatService:
                                             "ttft_ms": round(ttft * 1000, 1) if ttft else None,
                                             "e2e_ms": round(elapsed * 1000, 1)})
         request = accepted.request
+        dropped = outcome == "dropped"
         if (request is not None and request.conversation_id is not None and self._turns is not None
                 and not _appended(outcome, accepted.collector.delivered)):
             self._spawn(self._turns.ended_unwritten(request.request_id, request.conversation_id))
-        if outcome in ("handed_over", "detached") or accepted.background:
-            # The generation goes on: the client resumes it on another gateway, or (a background response) polls
-            # or resumes it later; only its explicit cancel stops it.
+        if accepted.background or outcome == "detached":
+            # Generated to its end whoever listens: its client polls or resumes it later; only its explicit cancel
+            # stops it.
             return
+        if dropped or (outcome == "handed_over" and accepted.resume_window_s > 0):
+            # The client's connection dropped, or this gateway is stopping: the generation goes on for the window,
+            # for the client to resume on any gateway. A task, because this frame is being cancelled.
+            why = "client connection dropped" if dropped else "the gateway is stopping"
+            self._spawn(self._detach(accepted, why))
+            return
+        if outcome == "handed_over":
+            return  # a window of 0: the worker's own grace for a gateway gone applies
         if not accepted.finished or outcome == "error":
-            # The client is gone, the gateway gave up, or the stream ended in error (possibly before a worker even
-            # started it): no worker may go on generating it. A task, because this frame is being cancelled.
+            # The client is gone (a window of 0, or not streamed), the gateway gave up, or the stream ended in error
+            # (possibly before a worker even started it): no worker may go on generating it.
             reason = "the stream ended in error" if outcome == "error" else "client disconnected"
             self._spawn(self._cancel(accepted.request_id, reason, accepted.traceparent,
-                                     accepted.collector.delivered))
+                                     accepted.collector.delivered, accepted.attachment))
 
     def spawn(self, coro: Coroutine[object, object, None]) -> None:
         """Run a clean-up to its end even though the request that started it is cancelled."""
@@ -494,12 +549,26 @@ class ChatService:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _cancel(self, request_id: str, reason: str, traceparent: str | None, delivered: int) -> None:
+    async def _cancel(self, request_id: str, reason: str, traceparent: str | None, delivered: int,
+                      attachment: str | None = None) -> None:
         try:
-            await self._publisher.cancel(request_id, reason, traceparent, delivered)
+            await self._publisher.cancel(request_id, reason, traceparent, delivered, attachment)
             log.info("cancel produced", extra={"request_id": request_id, "reason": reason})
         except Exception:
             log.exception("could not produce a cancel", extra={"request_id": request_id})
+
+    async def _detach(self, accepted: Accepted, reason: str) -> None:
+        """The worker learns this connection is gone and what its client has; without it (Kafka away), the stream
+        counts as attached until this gateway stops, then the worker's grace for a gateway gone applies."""
+        try:
+            await self._publisher.detach(accepted.request_id, accepted.attachment, accepted.collector.delivered,
+                                         accepted.resume_window_s, reason, accepted.traceparent)
+            GATEWAY_DROPPED.inc()
+            log.info("client connection detached", extra={"request_id": accepted.request_id, "reason": reason,
+                                                          "delivered_tokens": accepted.collector.delivered,
+                                                          "window_s": accepted.resume_window_s})
+        except Exception:
+            log.exception("could not produce a detach", extra={"request_id": accepted.request_id})
 
     async def drain(self) -> None:
         if self._background:
@@ -509,7 +578,7 @@ class ChatService:
 def _appended(outcome: str, delivered_tokens: int) -> bool:
     """Whether a turn that ended so is appended to its conversation (``stream_processors/store/turns.py``), or
     may still be (its generation goes on)."""
-    return (outcome in ("stop", "length", "handed_over", "detached")
+    return (outcome in ("stop", "length", "handed_over", "detached", "dropped")
             or (outcome == "content_filter" and delivered_tokens > 0))
 
 
@@ -529,6 +598,10 @@ STREAM_ERRORS: dict[str, tuple[int, str]] = {
 
 
 def generation_failed(delta: Delta) -> ApiError:
+    if delta.finish_reason == "cancelled" and not delta.error_code:
+        # A cancel its client sent (from any gateway), a halt-free stop: not a failure of ours
+        return ApiError(409, "The completion was cancelled before it finished.", type="invalid_request_error",
+                        code="cancelled")
     status, code = STREAM_ERRORS.get(delta.error_code or "", (502, delta.error_code or "generation_failed"))
     if delta.error_code == ErrorCode.QUEUE_DEADLINE_EXCEEDED:
         message = f"The service is overloaded: {delta.error}. Retry later."

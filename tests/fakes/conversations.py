@@ -14,7 +14,7 @@ from producers.gateway.turns import TurnAsk, TurnPlanner
 from producers.relay.collector import StreamCollector
 from runtime.settings import GatewaySettings, RedisSettings
 from runtime.streams import StreamRecord
-from schemas.events import ChatMessage, ChatRequest, TokenEvent
+from schemas.events import ChatMessage, TokenEvent
 from stream_processors.store.conversations import Item
 from stream_processors.store.responses import StoredResponse
 
@@ -132,19 +132,6 @@ def view(**fields: Any) -> ResponseView:
 
 def record(extra: ResponseView, org_id: str = "org") -> StreamRecord:
     return StreamRecord(extra.id, org_id, 0, 0, "m", 1, False, "gw/1", extra=extra.to_json())
-
-
-class Publisher:
-    def __init__(self) -> None:
-        self.submitted: list[ChatRequest] = []
-        self.cancelled: list[str] = []
-
-    async def submit(self, request: ChatRequest, traceparent: str) -> None:
-        self.submitted.append(request)
-
-    async def cancel(self, request_id: str, reason: str, traceparent: str | None = None,
-                     delivered_tokens: int | None = None) -> None:
-        self.cancelled.append(request_id)
 
 
 class Relay:

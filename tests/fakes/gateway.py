@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
 from producers.gateway.admission import Admission
 from producers.gateway.service import ChatService
 from runtime.settings import GatewaySettings, TierPolicy
-from schemas.events import SamplingSpec
+from schemas.events import ChatRequest, SamplingSpec
 from tests.fakes.tenancy import local_admission
 
 
@@ -33,3 +34,41 @@ def chat_service(publisher: Any, relay: Any, *, admission: Admission | None = No
                  tiers: dict[str, TierPolicy] | None = None, **gateway: Any) -> ChatService:
     return ChatService(GatewaySettings(instance_id="gw", **gateway), PROMPTS, publisher, relay, 0,  # type: ignore[arg-type]
                        "gw/1", admission=admission or local_admission(), tiers=tiers)
+
+
+@dataclass
+class Sent:
+    """One control event the gateway produced."""
+
+    request_id: str
+    delivered_tokens: int | None = None
+    attachment: str | None = None
+    window_s: float | None = None
+
+
+@dataclass
+class RecordingPublisher:
+    """``producers/gateway/publisher.py``'s seam: what the gateway produced, in order, per kind."""
+
+    submitted: list[ChatRequest] = field(default_factory=list)
+    cancels: list[Sent] = field(default_factory=list)
+    attaches: list[Sent] = field(default_factory=list)
+    detaches: list[Sent] = field(default_factory=list)
+
+    @property
+    def cancelled(self) -> list[str]:
+        return [c.request_id for c in self.cancels]
+
+    async def submit(self, request: ChatRequest, traceparent: str) -> None:
+        self.submitted.append(request)
+
+    async def cancel(self, request_id: str, reason: str, traceparent: str | None = None,
+                     delivered_tokens: int | None = None, attachment: str | None = None) -> None:
+        self.cancels.append(Sent(request_id, delivered_tokens, attachment))
+
+    async def attach(self, request_id: str, attachment: str, traceparent: str | None = None) -> None:
+        self.attaches.append(Sent(request_id, attachment=attachment))
+
+    async def detach(self, request_id: str, attachment: str, delivered_tokens: int, window_s: float, reason: str,
+                     traceparent: str | None = None) -> None:
+        self.detaches.append(Sent(request_id, delivered_tokens, attachment, window_s))

@@ -128,3 +128,15 @@ async def test_a_gateway_stopped_past_its_reply_lease(stack: Settings) -> None:
     (that grace is longer), lost or billed twice."""
     table = await chaos(stack, "stall-gateway")
     assert table.completed == table.sent and table.hit_mid_generation > 0
+
+
+async def test_clients_that_drop_their_own_connections_resume_exactly_or_are_cancelled_at_their_windows_end(
+        stack: Settings) -> None:
+    """Issue 36: every client drops its connection mid-stream; half come back within the resume window on the other
+    gateway and complete exactly (what the worker held meanwhile included), half never do and are cancelled when
+    the window ends, billed exactly what they received (``goals_met``: billed neither beyond nor short of it), with
+    nothing for nobody in the log (held, not emitted). With a window of 0 (the old behaviour) this fails: every
+    returning client finds its stream cancelled."""
+    table = await chaos(stack, "drop-clients")
+    assert table.completed == table.failed.get("abandoned", 0) == table.sent // 2
+    assert table.resumed_streams == table.sent // 2 and table.generated_for_nobody <= 2 * table.sent // 2

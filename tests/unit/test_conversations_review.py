@@ -35,7 +35,6 @@ from stream_processors.store.turns import response_of
 from tests.fakes.conversations import (
     NOW,
     Conversations,
-    Publisher,
     Redis,
     Relay,
     Responses,
@@ -49,13 +48,14 @@ from tests.fakes.conversations import (
     token,
     view,
 )
-from tests.fakes.gateway import chat_service
+from tests.fakes.gateway import RecordingPublisher, chat_service
 from tests.fakes.tenancy import api_key, local_admission
 
 
-async def timed_out_stream(background: bool, *, starting_after: int = -1) -> tuple[list[dict[str, Any]], Publisher]:
+async def timed_out_stream(background: bool, *, starting_after: int = -1
+                           ) -> tuple[list[dict[str, Any]], RecordingPublisher]:
     """A Responses stream that got five deltas, then no token within the gateway's idle timeout."""
-    publisher = Publisher()
+    publisher = RecordingPublisher()
     chat = chat_service(publisher, Relay(), stream_idle_timeout_s=0.05)
     the_view = view(background=background)
     collector = StreamCollector("resp_abc", skip_through=max(starting_after - 3, 0))
@@ -161,7 +161,7 @@ async def test_a_response_in_progress_can_be_deleted() -> None:
     DELETE of a (background) response still being generated answered 404 right after GET answered it, and the
     response then completed and became readable: the client's delete was lost. Now: 409 response_in_progress
     (cancel it, or wait for its end), never a 404 for what GET just showed."""
-    publisher = Publisher()
+    publisher = RecordingPublisher()
     chat = chat_service(publisher, Relay())
     chat._streams = Streams(record(view(background=True)))  # type: ignore[assignment]
     service = ResponsesService(chat, prompts(), planner(), Responses(), publisher)  # type: ignore[arg-type]
@@ -229,7 +229,7 @@ async def test_background_responses_count_against_max_concurrent() -> None:
     admission slot, so ``max_concurrent`` never counts background generations: a key limited to 1 concurrent
     request runs as many background generations at once as its request and token rates allow (README calls
     this a design choice, but "Turns are admitted, limited and billed like any request" does not hold)."""
-    publisher = Publisher()
+    publisher = RecordingPublisher()
     chat = chat_service(publisher, Relay(), admission=local_admission())
     service = ResponsesService(chat, prompts(), planner(), Responses(), publisher)  # type: ignore[arg-type]
     key = api_key(limits=LimitOverrides(max_concurrent=1))

@@ -34,7 +34,6 @@ from schemas.events import (
 from stream_processors.safety.policy import refusal
 from stream_processors.store.turns import response_of
 from tests.fakes.conversations import (
-    Publisher,
     Redis,
     Relay,
     Responses,
@@ -47,7 +46,7 @@ from tests.fakes.conversations import (
     token,
     view,
 )
-from tests.fakes.gateway import chat_service
+from tests.fakes.gateway import RecordingPublisher, chat_service
 from tests.fakes.tenancy import api_key, local_admission
 from tests.helpers import wait_for
 
@@ -63,8 +62,8 @@ def turn_request(request_id: str, *, background: bool = True) -> ChatRequest:
         conversation_id="conv_1", turn=Turn(api="responses", input_count=1, background=background))
 
 
-def limited_service(store: Responses | None = None) -> tuple[ResponsesService, Any, Publisher]:
-    publisher = Publisher()
+def limited_service(store: Responses | None = None) -> tuple[ResponsesService, Any, RecordingPublisher]:
+    publisher = RecordingPublisher()
     chat = chat_service(publisher, Relay(), admission=local_admission())
     service = ResponsesService(chat, prompts(), planner(), store or Responses(), publisher)  # type: ignore[arg-type]
     return service, chat, publisher
@@ -133,7 +132,7 @@ async def test_deleting_a_response_while_redis_is_down_is_a_503_not_a_404() -> N
     the 503 that stream_record() raises when Redis is down, so DELETE of a background response still running
     answers ``404 not_found``: the client takes it for gone (or never existing) while it runs, completes and
     becomes readable. GET of the same id answers 503 at the same moment."""
-    publisher = Publisher()
+    publisher = RecordingPublisher()
     chat = chat_service(publisher, Relay())
     chat._streams = DownStreams()  # type: ignore[assignment]
     service = ResponsesService(chat, prompts(), planner(), Responses(), publisher)  # type: ignore[arg-type]
@@ -155,7 +154,7 @@ async def test_a_background_stream_failed_on_the_gateways_side_is_not_reported_f
     record during a rolling deploy; or STREAM_INCONSISTENT) sends its client ``response.failed``, while close()
     never cancels a background response: it goes on, completes, and GET then answers ``completed``. (close() also
     frees its slot at once and, for a conversation turn, forgets the Redis note of a turn that will be appended.)"""
-    publisher = Publisher()
+    publisher = RecordingPublisher()
     chat = chat_service(publisher, Relay())
     the_view = view(background=True)
     collector = StreamCollector("resp_abc")
@@ -236,7 +235,7 @@ async def test_a_queued_background_response_can_be_cancelled(monkeypatch: pytest
     (up to its whole generation): the client cannot cancel a generation it is billed for. Either the create
     should be refused (503), or cancel should still reach it."""
     monkeypatch.setattr(responses_module, "CANCEL_WAIT_S", 0.2)
-    publisher = Publisher()
+    publisher = RecordingPublisher()
     chat = chat_service(publisher, Relay())
     chat._streams = LostRecordStreams()  # type: ignore[assignment]
     service = ResponsesService(chat, prompts(), planner(), Responses(), publisher)  # type: ignore[arg-type]

@@ -18,9 +18,9 @@ from producers.gateway.service import ChatService, HandedOver
 from producers.relay.collector import StreamCollector
 from runtime.settings import GatewaySettings, RedisSettings
 from runtime.streams import StreamRecord, parse_event_id
-from schemas.events import ChatRequest, ErrorCode
+from schemas.events import ChatRequest, ControlAction, ControlEvent, ErrorCode, utcnow
 from tests.fakes.engine import FakeEngine
-from tests.fakes.gateway import PROMPTS
+from tests.fakes.gateway import PROMPTS, RecordingPublisher
 from tests.fakes.kafka import FakeGroup
 from tests.fakes.tenancy import local_admission
 from tests.fakes.worker import make, pump, request, stop_made_workers
@@ -53,15 +53,6 @@ def test_the_route_answers_a_superscript_position_with_a_400() -> None:
 
 
 # --- 2. SIGTERM while a resume is in flight ---------------------------------------------------------------------
-
-
-class _Publisher:
-    def __init__(self) -> None:
-        self.cancelled: list[str] = []
-
-    async def cancel(self, request_id: str, reason: str, traceparent: str | None = None,
-                     delivered_tokens: int | None = None) -> None:
-        self.cancelled.append(request_id)
 
 
 class _Relay:
@@ -99,10 +90,10 @@ async def test_a_resume_that_completes_while_the_gateway_hands_over_is_handed_ov
     the generation is killed instead of continuing for the client to resume elsewhere. The same holds for a
     request accepted (``accept``) while the gateway hands over. (service.py resume/accept: ``self._open[...] =``
     with no check of ``self._handing_over``.)"""
-    streams, relay, publisher = _SlowStreams(), _Relay(), _Publisher()
+    streams, relay, publisher = _SlowStreams(), _Relay(), RecordingPublisher()
     chat = ChatService(GatewaySettings(instance_id="gw"), PROMPTS, publisher, relay, 0, "gw/1",  # type: ignore[arg-type]
                        admission=local_admission(), streams=streams)  # type: ignore[arg-type]
-    key = SimpleNamespace(org_id="org")
+    key = SimpleNamespace(org_id="org", tier="plus")
     resuming = asyncio.ensure_future(chat.resume("chatcmpl-r", 3, key, traceparent="00-0-0-01"))  # type: ignore[arg-type]
     await asyncio.sleep(0)
     chat.hand_over()  # SIGTERM
@@ -130,11 +121,6 @@ class _Liveness:
         return ["1" if k.endswith(tuple(self.alive)) else None for k in keys]
 
 
-class _NoListener:
-    async def listeners(self, request_ids: list[str]) -> list[str | None]:
-        return [None for _ in request_ids]
-
-
 def _copy(req: ChatRequest) -> ChatRequest:
     return req.model_copy(deep=True)
 
@@ -142,11 +128,9 @@ def _copy(req: ChatRequest) -> ChatRequest:
 async def test_a_takeover_of_an_unattended_stream_still_bills_what_its_client_received() -> None:
     """w1 streams 3 tokens to a live gateway (its presence check sees the gateway and records them as attended),
     then the gateway dies and, within the resume window, w1 dies too. w2 takes the request over (prefix: the 3
-    tokens the client received) in a fresh ``Job`` whose ``attended_tokens`` is 0. Nobody resumes; after the
-    grace w2's ``cancel_unattended`` sets ``received_cap = attended_tokens = 0``, so ``_finalize`` computes
-    completion 0 and ``billed = False``: no usage event at all — neither the prompt nor the 3 tokens the client
-    received while its gateway lived are billed. (intake.py cancel_unattended; Job.attended_tokens defaults to 0
-    and ``_took_over`` does not set it.)"""
+    tokens the client received) in a fresh ``Job`` that knows nothing of w1's presence checks. Nobody resumes;
+    after the grace w2 cancels it: the 3 tokens the client received while its gateway lived are billed, and the
+    prompt. (Before, ``received_cap = attended_tokens = 0``: nothing billed at all.)"""
     group = FakeGroup()
     w1 = make("w1", group, FakeEngine(auto=False))
     w2 = make("w2", group, FakeEngine(auto=False))
@@ -155,11 +139,11 @@ async def test_a_takeover_of_an_unattended_stream_still_bills_what_its_client_re
     await w1.handle(req, 0, 0)
     redis = _Liveness("gw/dead")
     first = GatewayPresence(redis, RedisSettings(), w1.intake, check_every_s=1,  # type: ignore[arg-type]
-                            grace_s=0, streams=_NoListener())  # type: ignore[arg-type]
+                            grace_s=0)
     w1.engine.step(req.request_id, 3)
     await pump()
     await first.check()  # the gateway relays it: the client has these 3 tokens
-    assert w1.intake.jobs[req.request_id].attended_tokens == 3
+    assert w1.intake.jobs[req.request_id].listeners.received_cap() is None  # attended: everything is billed
 
     redis.alive = set()  # the gateway dies
     await w1.assign()  # then w1 dies: its partition moves, nothing committed
@@ -168,45 +152,31 @@ async def test_a_takeover_of_an_unattended_stream_still_bills_what_its_client_re
     await pump()
     assert w2.intake.jobs[req.request_id].tokens == 3  # took over from the 3 emitted tokens
     second = GatewayPresence(redis, RedisSettings(), w2.intake, check_every_s=1,  # type: ignore[arg-type]
-                             grace_s=0, streams=_NoListener())  # type: ignore[arg-type]
+                             grace_s=0)
     await second.check()  # nobody resumed it within the window: cancelled
     await w2.settle()
     assert [(u.prompt_tokens, u.completion_tokens) for u in group.usage] == [(4, 3)], (
         f"usage committed: {[(u.prompt_tokens, u.completion_tokens) for u in group.usage]}")
 
 
-class _Listeners:
-    """The stream records' listeners, as Redis holds them (``StreamDirectory.listeners``)."""
-
-    def __init__(self) -> None:
-        self.listener: dict[str, str] = {}
-
-    async def listeners(self, request_ids: list[str]) -> list[str | None]:
-        return [self.listener.get(r) for r in request_ids]
-
-
-async def test_a_stream_a_live_gateway_relays_is_not_cancelled_after_redis_lost_its_listener() -> None:
-    """The accepting gateway died; gateway B resumed the stream and is relaying it to its client. B named itself
-    the listener once (``StreamDirectory.listen`` in ``ChatService.resume``) and never again, while the accepting
-    gateway's liveness key is renewed every second. When Redis loses the stream record (a restart without
-    persistence, as the chaos Redis runs; or the record's TTL, the resume window, ends while the generation
-    still runs), the worker's presence check finds no listener, counts the stream unattended, and cancels it
-    after the grace: B's client, still connected and receiving, gets a cancelled stream. (presence.py _listened;
-    service.py resume: one ``listen``, never renewed.)"""
+async def test_a_stream_a_live_gateway_relays_is_not_cancelled_after_redis_lost_every_stream_record() -> None:
+    """The accepting gateway died; gateway B resumed the stream and is relaying it to its client. B's connection is
+    known from the control topic (ATTACH), not from a Redis record, so Redis restarting empty (as the chaos Redis
+    runs) changes nothing: B's liveness key is renewed every second and the stream goes on. (Before, the listener
+    lived in the stream record: a restart lost it and the live stream was cancelled after the grace.)"""
     group = FakeGroup()
     worker = make("w1", group, FakeEngine(auto=False))
     await worker.assign(0)
     req = request(max_tokens=100, gateway="gw/dead")
     await worker.handle(req, 0, 0)
-    redis, streams = _Liveness("gw/resumer"), _Listeners()
-    streams.listener[req.request_id] = "gw/resumer"  # B resumed it and relays it
+    redis = _Liveness("gw/resumer")
+    worker.intake.on_control(ControlEvent(request_id=req.request_id, action=ControlAction.ATTACH, reason="resume",
+                                          issued_by="gw/resumer", issued_at=utcnow(), attachment="r1"))
     presence = GatewayPresence(redis, RedisSettings(), worker.intake, check_every_s=1,  # type: ignore[arg-type]
-                               grace_s=0, streams=streams)  # type: ignore[arg-type]
+                               grace_s=0)
     worker.engine.step(req.request_id, 2)
     await pump()
     await presence.check()
-    assert req.request_id in worker.intake.jobs
-    streams.listener.clear()  # Redis restarted empty; B (alive, relaying) renews its liveness key, nothing else
     await presence.check()
     await pump()
     job = worker.intake.jobs.get(req.request_id)
@@ -229,11 +199,11 @@ async def test_a_resumed_stream_still_queued_waits_as_long_as_its_queue_deadline
     timeouts, e.g. 30 s against the free tier's 30 + 30 s) the resuming gateway gives up first, answers 504 and
     *cancels* a request a worker would still have started. Scaled down here: idle 0.1 s, deadline 1 s + 1 s.
     (service.py _patience; runtime/streams.py StreamRecord has no deadline.)"""
-    publisher = _Publisher()
+    publisher = RecordingPublisher()
     chat = ChatService(GatewaySettings(instance_id="gw", stream_idle_timeout_s=0.1, queue_deadline_s=1.0,
                                        first_token_grace_s=1.0), PROMPTS, publisher, _Relay(), 0, "gw/1",  # type: ignore[arg-type]
                        admission=local_admission(), streams=_Streams())  # type: ignore[arg-type]
-    accepted = await chat.resume("chatcmpl-q", -1, SimpleNamespace(org_id="org"),  # type: ignore[arg-type]
+    accepted = await chat.resume("chatcmpl-q", -1, SimpleNamespace(org_id="org", tier="plus"),  # type: ignore[arg-type]
                                  traceparent="00-0-0-01")
     body = chat.stream(accepted)
     try:
@@ -253,10 +223,10 @@ async def test_a_resumed_stream_whose_foreign_feed_dies_is_not_cancelled() -> No
     fault on a healthy gateway kills every generation resumed from that partition, though the next resume would
     simply open a new feed (``Relay._feed`` replaces an unhealthy one). (demux.py _Feed._run/fail_all;
     service.py stream/_close.)"""
-    publisher = _Publisher()
+    publisher = RecordingPublisher()
     chat = ChatService(GatewaySettings(instance_id="gw"), PROMPTS, publisher, _Relay(), 0, "gw/1",  # type: ignore[arg-type]
                        admission=local_admission(), streams=_Streams())  # type: ignore[arg-type]
-    accepted = await chat.resume("chatcmpl-f", 4, SimpleNamespace(org_id="org"),  # type: ignore[arg-type]
+    accepted = await chat.resume("chatcmpl-f", 4, SimpleNamespace(org_id="org", tier="plus"),  # type: ignore[arg-type]
                                  traceparent="00-0-0-01")
     accepted.collector.fail("the gateway's token relay failed", ErrorCode.GATEWAY_STOPPING)  # what fail_all does
     chunks: list[bytes] = []

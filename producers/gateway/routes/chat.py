@@ -237,3 +237,19 @@ async def get_chat_completion(
             raise bad_request("The Last-Event-ID header names another completion than the path.",
                               param="Last-Event-ID", code="invalid_last_event_id")
     return await _resume(request, ctx, key, completion_id, client_has)
+
+
+@router.post("/v1/chat/completions/{completion_id}/cancel", response_model=None, dependencies=[Depends(bearer)],
+             responses={200: {"description": "The cancel is on its way: the worker generating the completion stops "
+                                            "within one engine step, wherever it runs. Billed for what reached its "
+                                            "clients: every token emitted while a client is attached to its "
+                                            "stream, else what the last one received. Ours: OpenAI has no such "
+                                            "endpoint for chat completions."},
+                        **error_responses({401: "No API key, or an unknown one.",
+                                           404: "No such completion: unknown, another organization's, or past its "
+                                                "resume window.",
+                                           409: "The completion has already ended.",
+                                           503: "The stream registry or the control topic is unavailable; retry."})})
+async def cancel_chat_completion(completion_id: str, request: Request, ctx: Context, key: Caller) -> JSONResponse:
+    await ctx.chat.cancel_stream(completion_id, key, traceparent=child_of(request.headers.get("traceparent")))
+    return JSONResponse({"id": completion_id, "object": "chat.completion.cancellation", "status": "cancelling"})

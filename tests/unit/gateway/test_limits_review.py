@@ -26,8 +26,8 @@ from producers.relay.collector import StreamCollector
 from runtime.limiter import Decision, Limits, Refused, Window
 from runtime.settings import TierTable
 from runtime.spend import BudgetHold
-from schemas.events import ChatRequest, LimitOverrides
-from tests.fakes.gateway import Clock, chat_service
+from schemas.events import LimitOverrides
+from tests.fakes.gateway import Clock, RecordingPublisher, chat_service
 from tests.fakes.tenancy import api_key
 from tests.unit.gateway.test_submit_failures import TimedOutPublisher
 
@@ -44,19 +44,6 @@ class Relay:
 
     def unregister(self, request_id: str) -> None:
         self.registered.discard(request_id)
-
-
-class OkPublisher:
-    def __init__(self) -> None:
-        self.submitted: list[ChatRequest] = []
-        self.cancelled: list[str] = []
-
-    async def submit(self, request: ChatRequest, traceparent: str) -> None:
-        self.submitted.append(request)
-
-    async def cancel(self, request_id: str, reason: str, traceparent: str | None = None,
-                     delivered_tokens: int | None = None) -> None:
-        self.cancelled.append(request_id)
 
 
 def _body(stream: bool = True) -> ChatCompletionRequest:
@@ -191,7 +178,7 @@ def test_an_admitted_requests_error_answer_carries_the_rate_limit_headers() -> N
     ends in 504 timeout, 503 queue_deadline_exceeded, 502 generation_failed or 400 content_filter raises ApiError
     out of ``answer.result()``; the error handler answers without them. Fix: catch ApiError in the route and
     re-raise it with ``accepted.ticket.headers()`` merged into its headers."""
-    publisher = OkPublisher()
+    publisher = RecordingPublisher()
     chat = chat_service(publisher, Relay(), admission=Admission(LocalLimiter(), LocalLimiter(), TIERS),
                         queue_deadline_s=0.05, first_token_grace_s=0.05)
     app = FastAPI()

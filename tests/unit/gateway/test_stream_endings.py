@@ -14,17 +14,9 @@ from producers.gateway.service import Accepted, ChatService
 from producers.relay.collector import StreamCollector
 from runtime.settings import GatewaySettings
 from schemas.events import TokenEvent, TokenUsage
+from tests.fakes.gateway import RecordingPublisher
 from tests.fakes.tenancy import local_admission
 from tests.fakes.worker import request
-
-
-class Publisher:
-    def __init__(self) -> None:
-        self.cancelled: list[str] = []
-
-    async def cancel(self, request_id: str, reason: str, traceparent: str | None = None,
-                     delivered_tokens: int | None = None) -> None:
-        self.cancelled.append(request_id)
 
 
 class Relay:
@@ -32,8 +24,8 @@ class Relay:
         pass
 
 
-def service(**settings: float) -> tuple[ChatService, Publisher]:
-    publisher = Publisher()
+def service(**settings: float) -> tuple[ChatService, RecordingPublisher]:
+    publisher = RecordingPublisher()
     gateway = GatewaySettings(instance_id="gw", **settings)  # type: ignore[arg-type]
     return ChatService(gateway, None, publisher, Relay(), 0, "gw/1", admission=local_admission()), publisher  # type: ignore[arg-type]
 

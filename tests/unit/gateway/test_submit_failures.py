@@ -9,7 +9,7 @@ from producers.gateway.errors import ApiError, unavailable
 from producers.gateway.protocol import ChatCompletionRequest
 from runtime.settings import TenancySettings
 from schemas.events import ChatRequest
-from tests.fakes.gateway import chat_service
+from tests.fakes.gateway import RecordingPublisher, chat_service
 from tests.fakes.tenancy import api_key
 
 
@@ -25,13 +25,9 @@ class Relay:
         pass
 
 
-class TimedOutPublisher:
+class TimedOutPublisher(RecordingPublisher):
     """``send_and_wait`` timed out: the record may well be in the log (the broker appended it, the ack was lost;
     or the batch is still in the producer's accumulator and goes out after the error)."""
-
-    def __init__(self) -> None:
-        self.submitted: list[ChatRequest] = []
-        self.cancelled: list[str] = []
 
     async def submit(self, request: ChatRequest, traceparent: str) -> None:
         self.submitted.append(request)
@@ -39,10 +35,6 @@ class TimedOutPublisher:
             raise KafkaTimeoutError()
         except KafkaTimeoutError as exc:  # what EventPublisher.submit does (publisher.py:45-46)
             raise unavailable("The request queue is unavailable (KafkaTimeoutError); retry shortly.") from exc
-
-    async def cancel(self, request_id: str, reason: str, traceparent: str | None = None,
-                     delivered_tokens: int | None = None) -> None:
-        self.cancelled.append(request_id)
 
 
 async def test_a_request_whose_produce_timed_out_is_answered_503_with_its_cancel_already_under_way() -> None:
@@ -62,11 +54,6 @@ async def test_a_request_whose_produce_timed_out_is_answered_503_with_its_cancel
     await chat.drain()
     (request,) = publisher.submitted
     assert publisher.cancelled == [request.request_id], "no CANCEL for a request that may be in the queue"
-
-
-class RecordingPublisher(TimedOutPublisher):
-    async def submit(self, request: ChatRequest, traceparent: str) -> None:
-        self.submitted.append(request)
 
 
 async def test_each_tier_gets_its_own_queue_deadline_and_the_gateway_waits_for_exactly_that() -> None:

@@ -202,7 +202,9 @@ async def test_an_unattended_stream_whose_delivery_failed_is_billed_no_more_than
     """Second review: an unattended cancel caps the bill at what was emitted while a gateway was last seen (5, in
     flight then); a delta then failed and never landed, so a client resuming gets 2. Billed 5 for 2 tokens."""
     group, worker, req, sink = await streaming(5, lands_on_ack=True)
-    worker.intake.attended(req.request_id)
+    listeners = worker.intake.jobs[req.request_id].listeners
+    listeners.seen({req.reply.gateway_id: True}, 5)  # a presence check sees its gateway alive, 5 tokens out
+    listeners.seen({req.reply.gateway_id: False}, 5)  # the next one finds it gone
     assert worker.intake.cancel_unattended(req.request_id)
     await pump()
     sink.ack(0, 1)
