@@ -392,12 +392,16 @@ async def gather(scenario: str, settings: Settings, kafka: KafkaSettings, org_id
 
 
 def client_token_counts(settings: Settings, streams: Iterable[Stream]) -> dict[str, int]:
-    """What each client received, in the model's tokens: its text tokenized as the model's tokenizer does (what a
-    client counting its own tokens would do), independent of anything the server reported."""
+    """What each client received, in the model's tokens, from what the client itself knows, never from the usage the
+    server reported: a stream the load sent with ``ignore_eos`` that ended with ``finish_reason: length`` holds exactly
+    the ``max_tokens`` it asked for (the API's meaning of that reason); any other its text tokenized by the model's
+    tokenizer. Tokenizing is not exact for every text (a model may emit a split the tokenizer would not: 2 of 120
+    SmolLM2 answers of 40 tokens re-tokenized to 39), which is why a full stream is counted by its request."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(settings.model.path), local_files_only=True)
-    return {s.request_id: len(tokenizer.encode(s.text, add_special_tokens=False))
+    return {s.request_id: s.max_tokens if s.completed and s.finish_reason == "length"
+            else len(tokenizer.encode(s.text, add_special_tokens=False))
             for s in streams if s.request_id}
 
 

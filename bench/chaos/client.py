@@ -8,6 +8,9 @@ With several gateways the client does what an SDK retrying or a browser's ``Even
 breaks (its gateway died or stopped: the connection closed without ``[DONE]``): it reconnects to the next gateway
 with the last event id it received (``Last-Event-ID``), or asks for the whole stream by its id when no event had
 arrived yet, and counts the resume.
+
+A stream can also be told to drop its own connection after some chunks (a phone losing its network): it then
+comes back after a pause, as above, or never (``abandoned``, its outcome).
 """
 
 from __future__ import annotations
@@ -50,6 +53,13 @@ class Stream:
     started: float = 0.0
     ended: float = 0.0
     chunk_times: list[float] = field(default_factory=list)
+    #: drop the connection once this many content chunks arrived (None: never), then come back after
+    #: ``back_after_s`` or (None) never
+    drop_after: int | None = None
+    back_after_s: float | None = None
+    #: when the client dropped its connection (Unix seconds), and whether it then gave up on the stream
+    dropped_at: float | None = None
+    abandoned: bool = False
 
     @property
     def completed(self) -> bool:
@@ -64,6 +74,8 @@ class Stream:
     def outcome(self) -> str:
         if self.completed:
             return "completed"
+        if self.abandoned:
+            return "abandoned"
         if self.refused:
             return f"refused {self.error}"
         return self.error or ("no [DONE]" if not self.done else f"finish {self.finish_reason}")
@@ -113,6 +125,12 @@ async def run_stream(clients: list[httpx.AsyncClient], stream: Stream, api_key: 
                 if await _connect(clients[gateway], stream, api_key, model, t0=t0,
                                   resuming=stream.request_id is not None):
                     return stream
+                if stream.dropped_at is not None and stream.drop_after is not None:
+                    stream.drop_after = None  # once
+                    if stream.back_after_s is None:
+                        stream.abandoned = True
+                        return stream
+                    await asyncio.sleep(stream.back_after_s)
             except (httpx.HTTPError, orjson.JSONDecodeError) as exc:
                 stream.error = f"connection: {type(exc).__name__}"
         return stream
@@ -137,8 +155,9 @@ async def _connect(client: httpx.AsyncClient, stream: Stream, api_key: str, mode
         if response.status_code != 200:
             error = orjson.loads(await response.aread()).get("error", {})
             stream.error = f"{response.status_code} {error.get('code')}"
-            # A resume refused for a moment (the stream registry unavailable, the gateway stopping) is tried again
-            return not resuming or response.status_code not in (502, 503)
+            # A resume refused for a moment (the stream registry unavailable, the gateway stopping, the dropped
+            # connection not yet released there) is tried again
+            return not resuming or response.status_code not in (409, 502, 503)
         stream.request_id = stream.request_id or response.headers.get("x-request-id")
         stream.error = None
         if resuming:
@@ -150,6 +169,10 @@ async def _connect(client: httpx.AsyncClient, stream: Stream, api_key: str, mode
             if resuming and first and len(stream.chunk_times) > had:
                 stream.resume_gaps.append(round(stream.chunk_times[-1] - gap_from, 4))
                 first = False
+            if (stream.drop_after is not None and stream.dropped_at is None and not stream.done
+                    and len(stream.chunk_times) >= stream.drop_after):
+                stream.dropped_at = time.time()
+                return False  # leaving the block closes the connection mid-stream
     return stream.done
 
 

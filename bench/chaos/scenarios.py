@@ -56,6 +56,14 @@ async def _streams_done(load: Load, at_least: int, poll_s: float = 0.05) -> int:
         await asyncio.sleep(poll_s)
 
 
+async def _mid_stream(load: Load, poll_s: float = 0.05) -> None:
+    """Waits until some stream of the load has received text and is not done yet."""
+    while True:  # the load has no event to wait on
+        if any(s.chunk_times and not s.done for s in load.streams):
+            return
+        await asyncio.sleep(poll_s)
+
+
 @dataclass
 class Base:
     name: str = ""
@@ -324,9 +332,10 @@ class KillWriter(Base):
     async def inject(self, env: ChaosEnv, load: Load, say: Say) -> None:
         assert env.writer is not None
         await _until(load, self.fault_at_s)
-        # Mid-work: some turns written (their offsets committed or not: a redelivery must not add copies), more
-        # to come while it is down.
+        # Mid-work: some turns written (their offsets committed or not: a redelivery must not add copies), and some
+        # generating, whose appends then wait for the writer's return.
         done = await _streams_done(load, self.turns_before)
+        await _mid_stream(load)
         load.fault_begins()
         pid = env.kill_service(env.writer)
         say(f"killed the conversation writer (pid {pid}) at {load.now():.1f} s, {done} turns done")
@@ -334,7 +343,42 @@ class KillWriter(Base):
         say(f"the writer healthy again at {load.now():.1f} s")
 
 
+@dataclass
+class DropClients(Base):
+    name: str = "drop-clients"
+    summary: str = ("every client drops its own connection mid-stream (a phone losing its network); half come back "
+                    "within the resume window on the other gateway, half never do")
+    gateways: int = 2
+    window_s: float = 1.0
+    drop_after: int = 5
+    back_after_s: float = 0.3
+    # The returners complete exactly; the others are cancelled when the window ends, billed what they received;
+    # what the worker generated meanwhile is held, not in the log (a token or two in flight when the drop was told)
+    expectation: Expectation = field(default_factory=lambda: Expectation(
+        allowed_failures=frozenset({"abandoned"}), min_completed_share=0.5, min_resumed=1,
+        max_generated_for_nobody=16))
+
+    def knobs(self, knobs: Knobs) -> Knobs:
+        # 10 tokens a second: the window (1 s, plus a presence check) ends long before an abandoned stream would
+        extra = {**knobs.extra, "KNS_GATEWAY__RESUME_WINDOW_S": str(self.window_s)}
+        return Knobs(**{**knobs.__dict__, "tokens_per_s": 10.0, "extra": extra})
+
+    async def inject(self, env: ChaosEnv, load: Load, say: Say) -> None:
+        # Before the load's first await: every stream knows its plan when it starts
+        for stream in load.streams:
+            stream.drop_after = self.drop_after
+            stream.back_after_s = self.back_after_s if stream.index % 2 == 0 else None
+        while True:  # the load has no event to wait on
+            drops = [s.dropped_at for s in load.streams if s.dropped_at is not None]
+            if drops:
+                load.fault_at = min(drops)
+                break
+            await asyncio.sleep(0.05)
+        say(f"first client dropped its connection at {load.now():.1f} s; window {self.window_s:g} s")
+
+
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     KillWorker(), RollWorkers(), AddWorker(), RestartBroker(), StopCassandra(), RestartRedis(), FinalizeCrash(),
     CommitTimeout(), StallWorker(), StallGateway(), TimeoutStorm(), KillGateway(), RollGateways(), KillWriter(),
+    DropClients(),
 )}
