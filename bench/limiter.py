@@ -27,15 +27,16 @@ from bench.common import percentiles
 from bench.cpu import CpuMeter
 from bench.servers import pipeline
 from producers.gateway.admission import Admission
-from producers.gateway.keys import KeySuspensions, hash_key
+from producers.gateway.keys import hash_key
 from producers.gateway.local_limiter import LocalLimiter
 from producers.tenancy.admin import UNLIMITED, KeyCreate, Limits, open_admin
-from producers.tenancy.view import ApiKey, TenancyView
 from runtime.cassandra_client import connect_async
 from runtime.kafka_clients import ensure_topics
 from runtime.limiter import RateLimiter
 from runtime.redis_client import make_redis
 from runtime.settings import Settings
+from runtime.suspensions import KeySuspensions
+from runtime.tenancy import ApiKey, TenancyView
 from schemas.topics import TOPICS
 
 Say = Callable[[str], None]

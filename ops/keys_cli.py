@@ -14,7 +14,6 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from producers.gateway.keys import KeySuspensions
 from producers.gateway.routes.admin import key_json, org_json
 from producers.tenancy.admin import (
     MICROS,
@@ -32,6 +31,7 @@ from runtime.cassandra_client import connect_async
 from runtime.cli_tables import emit_json, show
 from runtime.redis_client import make_redis
 from runtime.settings import load_settings
+from runtime.suspensions import KeySuspensions
 from schemas.events import KeyRecord, OrgRecord
 
 app = typer.Typer(help="API keys.", no_args_is_help=True)

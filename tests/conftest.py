@@ -25,10 +25,10 @@ import pytest_asyncio
 
 from ops.stack.provision import apply_schema, seed_prices
 from producers.tenancy.admin import UNLIMITED, KeyCreate, Limits, open_admin
-from producers.tenancy.view import ApiKey
 from runtime.cassandra_client import connect
 from runtime.kafka_clients import ensure_topics, make_admin
 from runtime.settings import Settings, load_settings
+from runtime.tenancy import ApiKey
 from schemas.topics import TOPICS
 from tests.helpers import ServiceProcess
 

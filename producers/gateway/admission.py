@@ -28,11 +28,11 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from producers.gateway.budget import HoldPricer
 from producers.gateway.errors import ApiError, unavailable
 from producers.gateway.local_limiter import LocalLimiter
-from producers.tenancy.view import ApiKey
-from runtime.limiter import Admitted, Limiter, Limits, Refused, Window
+from runtime.limiter import Admitted, Limiter, Refused, Window
 from runtime.metrics import LIMITER_DECISIONS, LIMITER_REDIS_DOWN, LIMITER_SECONDS
 from runtime.settings import TierTable
 from runtime.spend import BudgetHold
+from runtime.tenancy import ApiKey, limits_for
 from schemas.events import OrgRecord
 
 log = logging.getLogger(__name__)
@@ -42,15 +42,6 @@ LIMITER_DOWN = (RedisError, OSError)
 
 _WHAT = {"requests": "requests per min (RPM)", "tokens": "tokens per min (TPM)",
          "concurrent": "requests in flight"}
-
-
-def limits_for(org: OrgRecord, tiers: TierTable) -> Limits:
-    policy, own = tiers.policy(org.tier), org.limits
-    return Limits(
-        requests_per_minute=own.requests_per_minute or policy.requests_per_minute,
-        tokens_per_minute=own.tokens_per_minute or policy.tokens_per_minute,
-        max_concurrent=own.max_concurrent or policy.max_concurrent,
-    )
 
 
 @dataclass(frozen=True)

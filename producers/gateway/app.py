@@ -22,7 +22,6 @@ from producers.gateway.admission import Admission
 from producers.gateway.budget import HoldPricer
 from producers.gateway.conversations import ConversationService
 from producers.gateway.deps import GatewayContext
-from producers.gateway.keys import KeySuspensions
 from producers.gateway.limits import BodySizeLimit
 from producers.gateway.local_limiter import LocalLimiter
 from producers.gateway.prompt import PromptBuilder
@@ -36,7 +35,6 @@ from producers.gateway.turns import TurnPlanner
 from producers.relay.claim import ReplyPartitionClaim
 from producers.relay.demux import Relay
 from producers.tenancy.admin import RegistryWriter, TenancyAdmin
-from producers.tenancy.view import TenancyView
 from runtime import gc_pauses
 from runtime.cassandra_client import connect_async
 from runtime.dead_letters import DeadLetters
@@ -46,6 +44,8 @@ from runtime.metrics import metrics_router
 from runtime.redis_client import make_redis
 from runtime.settings import Settings
 from runtime.streams import StreamDirectory
+from runtime.suspensions import KeySuspensions
+from runtime.tenancy import TenancyView
 from schemas.topics import TOPICS
 from stream_processors.store.completions import CompletionStore
 from stream_processors.store.conversations import ConversationStore

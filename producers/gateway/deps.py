@@ -11,7 +11,7 @@ from billing.ledger import Ledger
 from producers.gateway.admission import LIMITER_DOWN
 from producers.gateway.conversations import ConversationService
 from producers.gateway.errors import ApiError, unauthorized
-from producers.gateway.keys import KeySuspensions, hash_key
+from producers.gateway.keys import hash_key
 from producers.gateway.prompt import PromptBuilder
 from producers.gateway.responses import ResponsesService
 from producers.gateway.service import ChatService
@@ -19,8 +19,9 @@ from producers.gateway.stored import StoredCompletions
 from producers.relay.claim import ReplyPartitionClaim
 from producers.relay.demux import Relay
 from producers.tenancy.admin import TenancyAdmin
-from producers.tenancy.view import ApiKey, Refusal, TenancyView
 from runtime.settings import Settings
+from runtime.suspensions import KeySuspensions
+from runtime.tenancy import ApiKey, Refusal, TenancyView
 
 
 @dataclass

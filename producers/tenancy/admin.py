@@ -28,9 +28,9 @@ from aiokafka.structs import RecordMetadata
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from producers.gateway.keys import hash_key, new_secret
-from producers.tenancy.view import TenancyView
 from runtime.kafka_clients import make_producer
 from runtime.settings import KafkaSettings, Settings
+from runtime.tenancy import TenancyView
 from schemas.codec import codec_for
 from schemas.events import Event, KeyRecord, LimitOverrides, OrgRecord, utcnow
 from schemas.topics import TOPICS

@@ -18,12 +18,12 @@ from typing import Any
 
 import faust
 
-from producers.gateway.keys import KeySuspensions
 from runtime.cassandra_client import connect
 from runtime.metrics import ABUSE_ALERTS
 from runtime.redis_client import make_redis
 from runtime.retry import retry_transient
 from runtime.settings import Settings
+from runtime.suspensions import KeySuspensions
 from schemas.codec import EventCodec, codec_for
 from schemas.errors import DecodeError
 from schemas.events import AbuseAction, AbuseAlert, ChatRequest, Event, SafetyVerdict, UsageEvent, utcnow

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from producers.gateway.admission import Admission
 from producers.gateway.local_limiter import LocalLimiter
-from producers.tenancy.view import ApiKey
 from runtime.settings import TierTable
+from runtime.tenancy import ApiKey
 from schemas.events import KeyRecord, LimitOverrides, OrgRecord, utcnow
 
 

@@ -11,9 +11,9 @@ import pytest
 
 from producers.gateway.keys import KEY_PREFIX, hash_key
 from producers.tenancy.admin import KeyCreate, KeyRotate, TenancyError, open_admin
-from producers.tenancy.view import ApiKey, Refusal
 from runtime.kafka_clients import all_partitions, make_consumer
 from runtime.settings import Settings
+from runtime.tenancy import ApiKey, Refusal
 from schemas.events import utcnow
 from schemas.topics import TOPICS
 

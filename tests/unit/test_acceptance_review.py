@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import uvloop
 
-from producers.gateway.keys import KeySuspensions
 from producers.gateway.prompt import PromptBuilder
 from producers.relay.collector import StreamCollector
 from runtime.settings import ModelSettings, RedisSettings
+from runtime.suspensions import KeySuspensions
 from schemas.events import ChatMessage
 
 # --- the collector's timer ---------------------------------------------------------------------------------
@@ -133,7 +133,7 @@ async def test_a_read_under_way_during_a_local_suspend_does_not_undo_it(monkeypa
     async def recorded(*_: object) -> list[dict[str, object]]:
         return []
 
-    monkeypatch.setattr("producers.gateway.keys.execute", recorded)
+    monkeypatch.setattr("runtime.suspensions.execute", recorded)
     redis = _SlowReplyRedis()
     fake: Any = redis
     session: Any = _Session()

@@ -7,8 +7,8 @@ from datetime import timedelta
 
 from aiokafka import TopicPartition
 
-from producers.tenancy.view import ApiKey, Refusal, TenancyView
 from runtime.settings import KafkaSettings
+from runtime.tenancy import ApiKey, Refusal, TenancyView
 from schemas.events import KeyRecord, OrgRecord, utcnow
 from tests.helpers import wait_for
 

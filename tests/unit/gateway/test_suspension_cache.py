@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from producers.gateway.keys import KeySuspensions
 from runtime.settings import RedisSettings
+from runtime.suspensions import KeySuspensions
 from tests.helpers import in_virtual_time
 
 
@@ -120,7 +120,7 @@ async def test_suspend_and_lift_here_are_seen_here_at_once(monkeypatch: pytest.M
     async def recorded(*_: object) -> list[dict[str, object]]:  # the Cassandra record is not what is tested
         return []
 
-    monkeypatch.setattr("producers.gateway.keys.execute", recorded)
+    monkeypatch.setattr("runtime.suspensions.execute", recorded)
     redis = FakeRedis()
     s = suspensions(redis, remember_s=60)
     assert await s.reason("k1") is None
@@ -198,7 +198,7 @@ async def test_a_refresh_under_way_does_not_undo_a_suspension_made_here(monkeypa
     async def recorded(*_: object) -> list[dict[str, object]]:
         return []
 
-    monkeypatch.setattr("producers.gateway.keys.execute", recorded)
+    monkeypatch.setattr("runtime.suspensions.execute", recorded)
     redis = FakeRedis()
     s = suspensions(redis, remember_s=60)
     s._asking = True  # what start() does, without its timer: the refresh is driven by hand
