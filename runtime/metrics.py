@@ -58,6 +58,10 @@ GATEWAY_HANDOVERS = Counter(
     "kns_gateway_stream_handovers_total", "Streams this gateway closed while stopping, for their clients to resume "
     "elsewhere (the generation goes on)"
 )
+GATEWAY_READ_WAITS = Histogram(
+    "kns_gateway_read_wait_seconds", "Reads that waited for a row the writer had yet to write after its create "
+    "returned (read-your-writes: written, or timed_out)", ["outcome"], buckets=_FAST
+)
 GATEWAY_TURN_WAITS = Counter(
     "kns_gateway_turn_waits_total", "Conversation turns that waited for their previous turn to be written "
     "(written: it was; timed_out: the turn went on without it)", ["outcome"]

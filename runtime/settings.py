@@ -203,6 +203,9 @@ class GatewaySettings(BaseModel):
     # A conversation's next turn waits this long at most for its previous turn to be written (its items are the
     # next turn's history); past it, the turn goes on with the history written so far.
     turn_wait_s: float = 10.0
+    # Read-your-writes (producers/gateway/pending_writes.py): a read of a stored completion, a stored response or
+    # a conversation's items, right after its create returned, waits at most this long for the writer to write it.
+    read_wait_s: float = Field(default=5.0, ge=0)
     # A turn without max_output_tokens keeps this many tokens of the context free for its answer when its history
     # is fitted (truncation: auto).
     output_reserve_tokens: int = 512

@@ -52,18 +52,24 @@ class StreamRecord:
     deadline_at: float = 0.0
     #: what a Responses API stream needs to be served again (its response object, JSON); empty for a chat stream
     extra: str = ""
+    #: the writer stores its outcome (``store``), and the conversation its turn is appended to: a gateway relaying
+    #: its final notes them for read-your-writes (``producers/gateway/pending_writes.py``)
+    store: bool = False
+    conversation_id: str = ""
 
     def to_redis(self) -> Mapping[Any, Any]:
         return {"org": self.org_id, "partition": self.partition, "from": self.from_offset, "model": self.model,
                 "created": self.created, "usage": int(self.include_usage), "gateway": self.gateway_id,
-                "user": self.user, "deadline": self.deadline_at, "extra": self.extra}
+                "user": self.user, "deadline": self.deadline_at, "extra": self.extra, "store": int(self.store),
+                "conversation": self.conversation_id}
 
     @classmethod
     def from_redis(cls, request_id: str, data: Mapping[Any, Any]) -> StreamRecord | None:
         try:
             return cls(request_id, data["org"], int(data["partition"]), int(data["from"]), data["model"],
                        int(data["created"]), data.get("usage") == "1", data["gateway"], data.get("user", ""),
-                       float(data.get("deadline", 0)), data.get("extra", ""))
+                       float(data.get("deadline", 0)), data.get("extra", ""), data.get("store") == "1",
+                       data.get("conversation", ""))
         except (KeyError, ValueError):
             return None  # partly written (a Redis restart between fields cannot happen: one HSET), or foreign
 

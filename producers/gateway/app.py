@@ -24,6 +24,7 @@ from producers.gateway.conversations import ConversationService
 from producers.gateway.deps import GatewayContext
 from producers.gateway.limits import BodySizeLimit
 from producers.gateway.local_limiter import LocalLimiter
+from producers.gateway.pending_writes import PendingWrites
 from producers.gateway.prompt import PromptBuilder
 from producers.gateway.publisher import EventPublisher
 from producers.gateway.responses import ResponsesService
@@ -114,20 +115,22 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         response_store = await ResponseStore.open(session, settings.cassandra.keyspace)
         turns = TurnPlanner(prompts, conversation_store, response_store, redis, settings.redis, settings.gateway,
                             in_flight=partial(_responding, streams))
+        pending = PendingWrites(redis, settings.redis, wait_s=settings.gateway.read_wait_s)
         chat_service = ChatService(settings.gateway, prompts, publisher, relay, reply_partition, claim.gateway_id,
                                    admission=admission, tiers=tenancy_settings.tiers.policies(),
-                                   streams=streams, turns=turns)
+                                   streams=streams, turns=turns, pending=pending)
         stack.push_async_callback(chat_service.drain)
         # SIGTERM (``main.GatewayServer``): open streams are handed over at once, before the server drains.
         loop = asyncio.get_running_loop()
         app.state.on_exit = lambda: loop.call_soon_threadsafe(chat_service.hand_over)
-        responses_service = ResponsesService(chat_service, prompts, turns, response_store, publisher)
+        responses_service = ResponsesService(chat_service, prompts, turns, response_store, publisher, pending)
         stack.callback(responses_service.stop)
-        stored_completions = StoredCompletions(await CompletionStore.open(session, settings.cassandra.keyspace))
+        stored_completions = StoredCompletions(await CompletionStore.open(session, settings.cassandra.keyspace),
+                                               pending)
         app.state.ctx = GatewayContext(settings, tenancy, tenancy_admin, suspensions, ledger, prompts, claim, relay,
                                        chat_service, stored_completions,
                                        responses_service,
-                                       ConversationService(conversation_store))
+                                       ConversationService(conversation_store, pending))
         log.info("gateway ready", extra={"instance": settings.gateway.instance_id, "gateway_id": claim.gateway_id,
                                          "reply_partition": reply_partition})
         gc_pauses.freeze_startup()

@@ -12,6 +12,7 @@ from datetime import UTC
 from typing import Any, TypeVar
 
 from producers.gateway.errors import ApiError, unavailable
+from producers.gateway.pending_writes import PendingWrites
 from producers.gateway.responses_protocol import ConversationCreate
 from producers.gateway.stored import STORE_ERRORS, list_page
 from producers.gateway.turns import conversation_not_found
@@ -37,8 +38,9 @@ async def _stored(reading: Awaitable[T]) -> T:
 
 
 class ConversationService:
-    def __init__(self, store: ConversationStore) -> None:
+    def __init__(self, store: ConversationStore, pending: PendingWrites | None = None) -> None:
         self._store = store
+        self._pending = pending
 
     async def create(self, body: ConversationCreate, key: ApiKey) -> dict[str, Any]:
         conversation_id = new_conversation_id()
@@ -79,6 +81,7 @@ class ConversationService:
         self._check(conversation_id)
         if after is not None and not plausible(after, ITEM_PREFIX):
             raise item_not_found(after)
+        await self._written(conversation_id, key)
         try:
             page = await _stored(self._store.items(conversation_id, key.org_id, after=after, limit=limit,
                                                    ascending=ascending))
@@ -93,10 +96,22 @@ class ConversationService:
         await self._conversation(conversation_id, key)
         if not plausible(item_id, ITEM_PREFIX):
             raise item_not_found(item_id)
+        await self._written(conversation_id, key)
         found = await _stored(self._store.get_item(conversation_id, key.org_id, item_id))
         if found is None:
             raise item_not_found(item_id)
         return item_object(found)
+
+    async def _written(self, conversation_id: str, key: ApiKey) -> None:
+        """Read-your-writes: the conversation's turn answered a moment ago is waited for until the writer appended
+        it (on any gateway; ``pending_writes.py``)."""
+        if self._pending is None:
+            return
+
+        async def item_written(item_id: str) -> bool:
+            return await _stored(self._store.get_item(conversation_id, key.org_id, item_id)) is not None
+
+        await self._pending.turn(conversation_id, item_written, lambda: self._conversation(conversation_id, key))
 
     async def _conversation(self, conversation_id: str, key: ApiKey) -> Conversation:
         self._check(conversation_id)

@@ -18,10 +18,12 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from producers.gateway.admission import Ticket
 from producers.gateway.errors import ApiError, bad_request, unavailable
+from producers.gateway.pending_writes import PendingWrites
 from producers.gateway.prompt import PromptBuilder
 from producers.gateway.publisher import EventPublisher
 from producers.gateway.responses_protocol import (
@@ -59,8 +61,9 @@ def response_not_found(response_id: str) -> ApiError:
 
 class ResponsesService:
     def __init__(self, chat: ChatService, prompts: PromptBuilder, turns: TurnPlanner, responses: ResponseStore,
-                 publisher: EventPublisher) -> None:
+                 publisher: EventPublisher, pending: PendingWrites | None = None) -> None:
         self._chat = chat
+        self._pending = pending
         self._prompts = prompts
         self._turns = turns
         self._responses = responses
@@ -211,7 +214,9 @@ class ResponsesService:
     # --- read, resume, cancel, delete ----------------------------------------------------------------------
 
     async def get(self, response_id: str, key: ApiKey) -> dict[str, Any]:
-        stored = await self._row(response_id, key)
+        # Read-your-writes: a response that ended a moment ago is waited for until the writer stored it
+        read = partial(self._row, response_id, key)
+        stored = await (self._pending.row(response_id, key.org_id, read) if self._pending is not None else read())
         if stored is not None:
             return stored_body(stored)
         return response_object(await self._running(response_id, key), "in_progress")

@@ -44,6 +44,7 @@ from producers.gateway.errors import (
     stream_not_found,
     unavailable,
 )
+from producers.gateway.pending_writes import PendingWrites
 from producers.gateway.prompt import PromptBuilder, to_event_messages
 from producers.gateway.protocol import ChatCompletionRequest, usage_dict
 from producers.gateway.publisher import EventPublisher
@@ -147,7 +148,7 @@ class ChatService:
     def __init__(self, gateway: GatewaySettings, prompts: PromptBuilder, publisher: EventPublisher,
                  relay: Relay, reply_partition: int, gateway_id: str, *, admission: Admission,
                  tiers: Mapping[str, TierPolicy] | None = None, streams: StreamDirectory | None = None,
-                 turns: TurnPlanner | None = None) -> None:
+                 turns: TurnPlanner | None = None, pending: PendingWrites | None = None) -> None:
         self._settings = gateway
         self._admission = admission
         self._tiers = dict(tiers or {})
@@ -157,6 +158,7 @@ class ChatService:
         self._reply = ReplyTo(partition=reply_partition, gateway_id=gateway_id)
         self._streams = streams
         self._turns = turns
+        self._pending = pending
         self._background: set[asyncio.Task[None]] = set()
         #: the streams being answered (handed over when the gateway stops)
         self._open: dict[str, Accepted] = {}
@@ -280,7 +282,8 @@ class ChatService:
             return
         record = StreamRecord(request.request_id, request.org_id, self._reply.partition, collector.from_offset,
                               request.model, created, include_usage, self._reply.gateway_id, request.user or "",
-                              request.deadline_at.timestamp() if request.deadline_at else 0.0, extra)
+                              request.deadline_at.timestamp() if request.deadline_at else 0.0, extra,
+                              store=request.store, conversation_id=request.conversation_id or "")
         try:
             await self._streams.record(record)
         except STREAM_STORE_ERRORS as exc:
@@ -419,7 +422,23 @@ class ChatService:
             accepted.finished = True
             if delta.usage is not None:
                 accepted.used_tokens = delta.usage.prompt_tokens + delta.usage.completion_tokens
+            await self._note_pending_write(accepted, delta)
         return delta
+
+    async def _note_pending_write(self, accepted: Accepted, delta: Delta) -> None:
+        """Before its client sees the end: a read of what the writer stores for it waits for the row, on any
+        gateway (read-your-writes)."""
+        if self._pending is None:
+            return
+        request, record = accepted.request, accepted.record
+        store = request.store if request is not None else record is not None and record.store
+        conversation = (request.conversation_id if request is not None and request.turn is not None
+                        else record.conversation_id if record is not None else None)
+        if conversation and not _appended(delta.finish_reason or "", accepted.collector.delivered):
+            conversation = None  # not appended: nothing to wait for
+        if store or conversation:
+            org_id = request.org_id if request is not None else record.org_id if record is not None else ""
+            await self._pending.note(accepted.request_id, org_id, stored=store, conversation_id=conversation)
 
     async def stream(self, accepted: Accepted, *, event_ids: bool = True) -> AsyncIterator[bytes]:
         """SSE bytes for one request (``event_ids``: each event with its resume id). Closing this iterator early

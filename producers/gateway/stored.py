@@ -13,6 +13,7 @@ import orjson
 from cassandra import DriverException
 
 from producers.gateway.errors import ApiError, unavailable
+from producers.gateway.pending_writes import PendingWrites
 from producers.gateway.protocol import usage_dict
 from producers.relay.sse import completion
 from stream_processors.store.completions import CompletionStore
@@ -27,8 +28,9 @@ def not_found(completion_id: str) -> ApiError:
 
 
 class StoredCompletions:
-    def __init__(self, store: CompletionStore) -> None:
+    def __init__(self, store: CompletionStore, pending: PendingWrites | None = None) -> None:
         self._store = store
+        self._pending = pending
 
     async def _row(self, completion_id: str, org_id: str) -> dict[str, Any]:
         try:
@@ -40,7 +42,22 @@ class StoredCompletions:
         return row
 
     async def get(self, completion_id: str, org_id: str) -> dict[str, Any]:
-        return _completion(await self._row(completion_id, org_id))
+        if self._pending is None:
+            return _completion(await self._row(completion_id, org_id))
+
+        async def row() -> dict[str, Any] | None:  # not found yet, unless it is another org's
+            try:
+                return await self._row(completion_id, org_id)
+            except ApiError as exc:
+                if exc.status == 404:
+                    return None
+                raise
+
+        # Read-your-writes: a completion that ended a moment ago is waited for until the writer stored it
+        found = await self._pending.row(completion_id, org_id, row)
+        if found is None:
+            raise not_found(completion_id)
+        return _completion(found)
 
     async def messages(self, completion_id: str, org_id: str, *, after: str | None, limit: int,
                        ascending: bool) -> dict[str, Any]:
