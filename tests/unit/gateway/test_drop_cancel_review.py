@@ -1,6 +1,6 @@
 """Adversarial review of 86f95a9 (issue 36 item 1, issue 37 C1), the gateway's side: what a dropped, resumed or
 cancelled stream tells the workers and the limiter. Each xfail test states a defect, its consequence for a user or a
-bill, and the code line; it fails on 86f95a9 for that reason."""
+bill, and the code line (line numbers as of 86f95a9); it fails on 86f95a9 for that reason."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ TRACE = "00-0-0-01"
 
 
 class Relay:
-    """The relay's registration rule (``producers/relay/demux.py`` line 233): one connection per stream per gateway
+    """The relay's registration rule (``producers/relay/demux.py`` line 234): one connection per stream per gateway
     process, a second one is refused (ValueError, answered 409)."""
 
     def __init__(self) -> None:
@@ -172,7 +172,7 @@ async def test_a_resume_refused_after_its_attach_reached_the_log_detaches_that_c
 @pytest.mark.xfail(strict=True, reason="review: a reconnect to the same gateway is refused 409 until it sees the drop")
 async def test_a_client_reconnecting_to_the_same_gateway_before_it_noticed_the_drop_gets_its_stream() -> None:
     """Defect: a resume on the gateway process that still serves the stream's old connection is refused 409
-    ``stream_in_use`` (``service.py`` lines 309-312, the relay's one-registration rule ``demux.py`` line 233). The
+    ``stream_in_use`` (``service.py`` lines 309-312, the relay's one-registration rule ``demux.py`` line 234). The
     connections of issue 36 (a Wi-Fi handover, a mobile network changing address) drop without a FIN or RST: the
     gateway notices only when a write fails, after TCP's retransmissions (minutes), and until then its relay keeps the
     old connection registered and the worker keeps it attached.
@@ -202,7 +202,7 @@ async def test_a_client_reconnecting_to_the_same_gateway_before_it_noticed_the_d
 @pytest.mark.xfail(strict=True, reason="review: a store:false streamed response cannot be cancelled")
 async def test_a_streamed_response_without_store_can_be_cancelled() -> None:
     """Defect: ``ResponsesService.cancel`` finds a response still generating through ``_running``, which answers 404
-    for ``store: false`` (``responses.py`` line 291), before the new foreground cancel (lines 240-244) is reached; and
+    for ``store: false`` (``responses.py`` line 283), before the new foreground cancel (lines 235-239) is reached; and
     the chat cancel endpoint refuses it as another API's stream (``service.py`` line 341).
 
     Consequence: a client whose streamed response (``store: false``) dropped cannot stop it by any endpoint: it is

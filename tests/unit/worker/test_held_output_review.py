@@ -1,7 +1,7 @@
 """Adversarial review of 86f95a9 (issue 36 item 1, issue 37 C1), the worker's side: output held while no client
 connection is attached, the billing rule of ``inference_workers/listeners.py`` and what a takeover inherits from the
-control topic. Each xfail test states a defect, its consequence for a user or a bill, and the code line; it fails on
-86f95a9 for that reason."""
+control topic. Each xfail test states a defect, its consequence for a user or a bill, and the code line (line
+numbers as of 86f95a9); it fails on 86f95a9 for that reason."""
 
 from __future__ import annotations
 
@@ -184,7 +184,7 @@ async def test_every_token_a_late_resume_can_read_is_billed_when_a_dead_gateways
     """Defect: a connection whose gateway died is billed what was emitted "when that gateway was last seen alive"
     (``listeners.py`` ``Connection.seen_tokens``, set at line 96 only while the liveness key exists); the worker
     goes on emitting to the log until the check that finds the key gone (``presence_check_s`` later, plus a
-    takeover's first check: a successor assumes every inherited connection alive, line 36, until it looks).
+    takeover's first check: a successor assumes every inherited connection alive, line 37, until it looks).
 
     Consequence: free tokens: the client resumes after the window's cancel, within the resume TTL, and reads from
     the log tokens never billed (the L2 finding of the security review, narrowed to one check interval, not
