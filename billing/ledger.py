@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, fields
 from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
@@ -29,10 +29,16 @@ from cassandra.cluster import Session
 from cassandra.query import BatchStatement, BatchType
 
 from billing.prices import PriceBook
-from runtime.cassandra_client import execute
+from runtime.cassandra_client import execute, pages
 from schemas.events import UsageEvent
 
 DIRTY_SHARD = 0
+#: hours still marked dirty that a usage report reads from the ledger instead of their aggregate (the newest ones);
+#: more than this only while the billing processor is far behind, and the older ones then answer as last computed
+DIRTY_HOURS_READ = 4
+#: rows a usage report holds at once per query it pages through, and the day partitions it reads at once
+PAGE_ROWS = 1000
+PARALLEL_DAYS = 8
 
 
 def utc(value: datetime) -> datetime:
@@ -132,6 +138,21 @@ class Totals:
                       self.completion_tokens + values["completion_tokens"],
                       self.cached_tokens + values["cached_tokens"], self.cost + values["cost"])
 
+    def add_hour(self, row: dict[str, Any]) -> Totals:
+        """An aggregate of ``usage_hourly`` (its ``requests`` and sums)."""
+        return Totals(self.requests + row["requests"], self.prompt_tokens + row["prompt_tokens"],
+                      self.completion_tokens + row["completion_tokens"],
+                      self.cached_tokens + row["cached_tokens"], self.cost + row["cost"])
+
+    def __add__(self, other: Totals) -> Totals:
+        return Totals(self.requests + other.requests, self.prompt_tokens + other.prompt_tokens,
+                      self.completion_tokens + other.completion_tokens, self.cached_tokens + other.cached_tokens,
+                      self.cost + other.cost)
+
+
+#: a usage report's group of a request: its label from the request's model and time (an hour's start for an aggregate)
+Label = Callable[[str, datetime], str]
+
 
 class Ledger:
     def __init__(self, session: Session, keyspace: str) -> None:
@@ -171,6 +192,14 @@ class Ledger:
         self._hourly = prepare(
             f"SELECT hour, key_id, model, requests, prompt_tokens, completion_tokens, cached_tokens, cost "
             f"FROM {ks}.usage_hourly WHERE org_id = ? AND day = ?")
+        self._hours_of_range = prepare(
+            f"SELECT hour, model, requests, prompt_tokens, completion_tokens, cached_tokens, cost "
+            f"FROM {ks}.usage_hourly WHERE org_id = ? AND day = ? AND hour >= ? AND hour < ?")
+        self._usage_of_range = prepare(
+            f"SELECT requested_at, model, prompt_tokens, completion_tokens, cached_tokens, cost "
+            f"FROM {ks}.ledger_by_org_day WHERE org_id = ? AND day = ? AND requested_at >= ? AND requested_at < ?")
+        self._dirty_of_org = prepare(
+            f"SELECT hour FROM {ks}.dirty_hours WHERE shard = {DIRTY_SHARD} AND org_id = ? AND hour >= ? AND hour < ?")
 
     @classmethod
     async def open(cls, session: Session, keyspace: str) -> Ledger:
@@ -239,6 +268,55 @@ class Ledger:
 
     # --- reads --------------------------------------------------------------------------------------------
 
+    async def usage(self, org_id: str, start: datetime, end: datetime, label: Label) -> dict[str, Totals]:
+        """The org's usage with start <= requested_at < end, summed per ``label``: what summing its ledger rows
+        gives, without holding them. Whole hours come from ``usage_hourly``; the hours the range cuts (its first
+        and last: the current one when ``end`` is now) and the whole hours still marked dirty (billed since their
+        last recomputation; the newest ``DIRTY_HOURS_READ``) are summed from the ledger, a page at a time.
+
+        The dirty marks are read before the aggregates: an hour found clean was recomputed from every row marked
+        before that read (a mark is cleared only after its hour's aggregates are written)."""
+        groups: dict[str, Totals] = defaultdict(Totals)
+        first_whole, past_whole = _ceil_hour(start), hour_of(end)
+        from_ledger: list[tuple[datetime, datetime]] = []
+        if first_whole < past_whole:
+            from_ledger += [(a, b) for a, b in ((start, first_whole), (past_whole, end)) if a < b]
+            dirty = await self._dirty_hours(org_id, first_whole, past_whole)
+            stale = sorted(dirty, reverse=True)[:DIRTY_HOURS_READ]
+            from_ledger += [(hour, hour + timedelta(hours=1)) for hour in stale]
+            await self._sum_hours(org_id, first_whole, past_whole, set(stale), label, groups)
+        else:  # no whole hour in the range
+            from_ledger.append((start, end))
+        for a, b in from_ledger:
+            await self._sum_rows(org_id, a, b, label, groups)
+        return dict(groups)
+
+    async def _dirty_hours(self, org_id: str, start: datetime, end: datetime) -> list[datetime]:
+        return [utc(row["hour"]) async for page in pages(self._session, self._dirty_of_org, [org_id, start, end],
+                                                          page_size=PAGE_ROWS) for row in page]
+
+    async def _sum_hours(self, org_id: str, start: datetime, end: datetime, skip: set[datetime], label: Label,
+                         groups: dict[str, Totals]) -> None:
+        async def day(params: list[Any]) -> None:
+            async for page in pages(self._session, self._hours_of_range, params, page_size=PAGE_ROWS):
+                for row in page:
+                    hour = utc(row["hour"])
+                    if hour not in skip:
+                        name = label(row["model"], hour)
+                        groups[name] = groups[name].add_hour(row)
+
+        await _bounded([day([org_id, d, start, end]) for d in _days(start, end)])
+
+    async def _sum_rows(self, org_id: str, start: datetime, end: datetime, label: Label,
+                        groups: dict[str, Totals]) -> None:
+        async def day(params: list[Any]) -> None:
+            async for page in pages(self._session, self._usage_of_range, params, page_size=PAGE_ROWS):
+                for row in page:
+                    name = label(row["model"], utc(row["requested_at"]))
+                    groups[name] = groups[name].add(row)
+
+        await _bounded([day([org_id, d, start, end]) for d in _days(start, end)])
+
     async def get(self, request_id: str) -> LedgerRow | None:
         rows = await execute(self._session, self._get, [request_id])
         return LedgerRow.from_row(rows[0]) if rows else None
@@ -273,6 +351,22 @@ class Ledger:
 
         parts = await asyncio.gather(*(one(ids[i:i + chunk]) for i in range(0, len(ids), chunk)))
         return {row["request_id"]: LedgerRow.from_row(row) for rows in parts for row in rows}
+
+
+async def _bounded(reads: list[Coroutine[Any, Any, None]]) -> None:
+    """Run day reads, ``PARALLEL_DAYS`` at a time."""
+    semaphore = asyncio.Semaphore(PARALLEL_DAYS)
+
+    async def one(read: Coroutine[Any, Any, None]) -> None:
+        async with semaphore:
+            await read
+
+    await asyncio.gather(*(one(read) for read in reads))
+
+
+def _ceil_hour(at: datetime) -> datetime:
+    hour = hour_of(at)
+    return hour if hour == utc(at) else hour + timedelta(hours=1)
 
 
 def _days(start: datetime, end: datetime) -> list[date]:

@@ -1,19 +1,20 @@
 """The Cassandra session factory and an awaitable ``execute``.
 
 cassandra-driver is callback-based: :func:`execute` turns ``execute_async``'s ResponseFuture into an asyncio
-future, so services never block their event loop on a query. Connecting is blocking and runs in a thread.
+future, so services never block their event loop on a query; :func:`pages` yields a large result a page at a time.
+Connecting is blocking and runs in a thread.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from cassandra import ConsistencyLevel
 from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile, ResponseFuture, Session
 from cassandra.policies import DCAwareRoundRobinPolicy
-from cassandra.query import PreparedStatement, dict_factory
+from cassandra.query import PreparedStatement, SimpleStatement, Statement, dict_factory
 
 from runtime.settings import CassandraSettings
 
@@ -68,6 +69,36 @@ async def execute(
 
     future.add_callbacks(on_ok, on_err)
     return await done
+
+
+async def pages(session: Session, statement: str | PreparedStatement, params: Sequence[Any] | None = None, *,
+                page_size: int = 1000) -> AsyncIterator[list[dict[str, Any]]]:
+    """Run one statement and yield its result a page at a time: the next page is asked for only once the caller
+    takes this one, so a large result is never held whole (``execute`` holds every page). Leaving the loop early
+    fetches nothing more."""
+    loop = asyncio.get_running_loop()
+    query: Statement = (statement.bind(params or ()) if isinstance(statement, PreparedStatement)
+                        else SimpleStatement(statement))
+    query.fetch_size = page_size
+    #: the page being waited for (the driver calls back once per page, on its own thread)
+    waiting: list[asyncio.Future[list[dict[str, Any]]]] = [loop.create_future()]
+
+    def on_ok(rows: Any) -> None:
+        loop.call_soon_threadsafe(_settle, waiting[0], list(rows or []), None)
+
+    def on_err(exc: BaseException) -> None:
+        loop.call_soon_threadsafe(_settle, waiting[0], None, exc)
+
+    future: ResponseFuture = session.execute_async(query, None if isinstance(statement, PreparedStatement) else params)
+    future.add_callbacks(on_ok, on_err)
+    while True:
+        page = await waiting[0]
+        more = future.has_more_pages
+        yield page
+        if not more:
+            return
+        waiting[0] = loop.create_future()  # before the fetch: its callback settles this one
+        future.start_fetching_next_page()
 
 
 def _settle(done: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:

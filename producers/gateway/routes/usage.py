@@ -2,17 +2,18 @@
 
 ``start`` and ``end`` are ISO 8601 times or Unix seconds (``end`` defaults to now, the range is half-open and at
 most 93 days); ``group_by`` is ``model`` or ``day``. Costs are decimal strings in USD: exact, no float rounding.
+The sums come from the hourly aggregates, with the ledger's own rows (paged) for the hours the range cuts and the
+hours billing has not recomputed yet (``Ledger.usage``): a report never holds the range's rows.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from fastapi import APIRouter, Query
 
-from billing.ledger import Totals, parse_instant, utc
+from billing.ledger import Totals, parse_instant
 from producers.gateway.deps import Caller, Context
 from producers.gateway.errors import bad_request
 
@@ -39,6 +40,14 @@ def _line(totals: Totals) -> dict[str, Any]:
     }
 
 
+def _by_model(model: str, _at: datetime) -> str:
+    return model
+
+
+def _by_day(_model: str, at: datetime) -> str:
+    return at.date().isoformat()
+
+
 @router.get("/v1/usage")
 async def usage(ctx: Context, key: Caller, start: str = Query(...), end: str | None = Query(None),
                 group_by: str = Query("model")) -> dict[str, Any]:
@@ -50,13 +59,8 @@ async def usage(ctx: Context, key: Caller, start: str = Query(...), end: str | N
         raise bad_request(f"The range may span at most {MAX_RANGE.days} days.", param="start", code="invalid_value")
     if group_by not in ("model", "day"):
         raise bad_request("'group_by' must be 'model' or 'day'.", param="group_by", code="invalid_value")
-    rows = await ctx.ledger.rows_for_org(key.org_id, begin, finish)
-    groups: dict[str, Totals] = defaultdict(Totals)
-    total = Totals()
-    for row in rows:
-        label = row["model"] if group_by == "model" else utc(row["requested_at"]).date().isoformat()
-        groups[label] = groups[label].add(row)
-        total = total.add(row)
+    groups = await ctx.ledger.usage(key.org_id, begin, finish, _by_model if group_by == "model" else _by_day)
+    total = sum(groups.values(), Totals())
     return {
         "object": "usage.report",
         "org_id": key.org_id,
