@@ -1,11 +1,11 @@
 """Stored chat completions in Cassandra: written by the store processor, read by every gateway.
 
 Tables (``infra/local/cassandra/schema.cql``): ``stored_completions`` (one row per id, the record of truth) and
-``stored_completions_by_org`` (the listing: per org and month, newest first). Every statement runs at
-LOCAL_QUORUM. A write is ``INSERT ... IF NOT EXISTS`` with a TTL: the first copy of a redelivered record wins and
-a deleted completion stays deleted. The index row is written first (an upsert), so a crash between the two
-writes leaves an index row whose completion row the redelivery then writes; a listing reads the completion rows
-and skips what is missing or deleted.
+``stored_completions_by_org`` (the listing: per org and month, newest first, with the model and metadata a listing
+filters on). Every statement runs at LOCAL_QUORUM. A write is ``INSERT ... IF NOT EXISTS`` with a TTL: the first
+copy of a redelivered record wins and a deleted completion stays deleted. The index row is written first (an
+upsert), so a crash between the two writes leaves an index row whose completion row the redelivery then writes; a
+listing reads the completion rows of its page and skips what is missing or deleted.
 """
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ from schemas.events import StoredCompletion, utcnow
 RETENTION_S = 30 * 24 * 3600
 #: how many index rows one list request reads at most while it filters (metadata, model)
 SCAN_LIMIT = 2000
+#: index rows read per query while a filter is on (one slice of one partition)
+FILTER_BATCH = 500
+#: completion rows one list request reads at once
+GET_PARALLEL = 16
 
 _COLUMNS = ("completion_id", "org_id", "key_id", "user_id", "model", "created_at", "messages", "metadata",
             "content", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "error")
@@ -60,14 +64,14 @@ class CompletionStore:
         self._insert = prepare(f"INSERT INTO {ks}.stored_completions ({', '.join(_COLUMNS)}) "
                                f"VALUES ({', '.join('?' * len(_COLUMNS))}) IF NOT EXISTS USING TTL {RETENTION_S}")
         self._index = prepare(f"INSERT INTO {ks}.stored_completions_by_org (org_id, month, created_at, "
-                              f"completion_id, model) VALUES (?, ?, ?, ?, ?) USING TTL {RETENTION_S}")
+                              f"completion_id, model, metadata_json) VALUES (?, ?, ?, ?, ?, ?) USING TTL {RETENTION_S}")
         self._get = prepare(f"SELECT {', '.join(_COLUMNS)}, deleted_at FROM {ks}.stored_completions "
                             "WHERE completion_id = ?")
         self._delete = prepare(f"UPDATE {ks}.stored_completions USING TTL {RETENTION_S} SET deleted_at = ? "
                                "WHERE completion_id = ? IF EXISTS")
         self._unindex = prepare(f"DELETE FROM {ks}.stored_completions_by_org WHERE org_id = ? AND month = ? "
                                 "AND created_at = ? AND completion_id = ?")
-        base = (f"SELECT created_at, completion_id, model FROM {ks}.stored_completions_by_org "
+        base = (f"SELECT created_at, completion_id, model, metadata_json FROM {ks}.stored_completions_by_org "
                 "WHERE org_id = ? AND month = ?")
         self._newest = prepare(f"{base} LIMIT ?")
         self._older = prepare(f"{base} AND (created_at, completion_id) < (?, ?) LIMIT ?")
@@ -84,7 +88,8 @@ class CompletionStore:
     async def write(self, stored: StoredCompletion) -> bool:
         """Store one completion (idempotent). False: it was there already (a redelivery, or deleted since)."""
         await execute(self._session, self._index, [stored.org_id, month_of(stored.created_at), stored.created_at,
-                                                   stored.completion_id, stored.model])
+                                                   stored.completion_id, stored.model,
+                                                   orjson.dumps(stored.metadata, option=orjson.OPT_SORT_KEYS).decode()])
         messages = orjson.dumps([m.model_dump(exclude_none=True) for m in stored.messages]).decode()
         result = await execute(self._session, self._insert, [
             stored.completion_id, stored.org_id, stored.key_id, stored.user, stored.model, stored.created_at,
@@ -113,7 +118,12 @@ class CompletionStore:
     async def page(self, org_id: str, *, after: str | None, limit: int, ascending: bool, model: str | None,
                    metadata: dict[str, str]) -> Page:
         """An org's stored completions, newest first (or oldest), after the completion ``after``; filtered by
-        model and metadata. ``after`` must be one of the org's live completions (else ``KeyError``)."""
+        model and metadata. ``after`` must be one of the org's live completions (else ``KeyError``).
+
+        The filter is judged on the index rows (they carry the model and the metadata), so the completion rows read
+        are those of the page (``limit`` + 1, ``GET_PARALLEL`` at a time), plus any found deleted meanwhile. An
+        index row written before the index carried metadata (30 days after the upgrade, none is left) is judged on
+        its completion row. At most ``SCAN_LIMIT`` index rows are read."""
         cursor = None
         if after is not None:
             row = await self.get(after, org_id)
@@ -123,22 +133,35 @@ class CompletionStore:
         months = months_within(utcnow(), RETENTION_S)
         if not ascending:
             months.reverse()
+        filtered = model is not None or bool(metadata)
         found: list[dict[str, Any]] = []
         scanned = 0
         for month in months:  # a cursor in another month leaves this one's slice whole or empty
             while len(found) <= limit and scanned < SCAN_LIMIT:
-                index = await self._index_page(org_id, month, cursor, ascending, batch=max(limit * 2, 20))
+                batch = min(FILTER_BATCH if filtered else limit + 1 - len(found), SCAN_LIMIT - scanned)
+                index = await self._index_page(org_id, month, cursor, ascending, batch=batch)
                 if not index:
                     break
-                scanned += len(index)
-                cursor = (index[-1]["created_at"], index[-1]["completion_id"])
-                wanted = [r for r in index if model is None or r["model"] == model]
-                rows = await asyncio.gather(*(self.get(r["completion_id"], org_id) for r in wanted))
+                wanted = [r for r in index if _may_match(r, model, metadata)][:limit + 1 - len(found)]
+                # Past the last row read for the page, the batch's other rows are left for the next page.
+                last = wanted[-1] if len(wanted) == limit + 1 - len(found) else index[-1]
+                scanned += index.index(last) + 1
+                cursor = (last["created_at"], last["completion_id"])
+                rows = await self._get_many([r["completion_id"] for r in wanted], org_id)
                 found += [r for r in rows if r is not None and _has(r, metadata)]
             if len(found) > limit:
                 break
         # Past the scan limit the rest was not looked at: say so (the last item is the cursor to go on from).
         return Page(found[:limit], len(found) > limit or scanned >= SCAN_LIMIT)
+
+    async def _get_many(self, completion_ids: list[str], org_id: str) -> list[dict[str, Any] | None]:
+        semaphore = asyncio.Semaphore(GET_PARALLEL)
+
+        async def one(completion_id: str) -> dict[str, Any] | None:
+            async with semaphore:
+                return await self.get(completion_id, org_id)
+
+        return await asyncio.gather(*(one(c) for c in completion_ids))
 
     async def _index_page(self, org_id: str, month: str, cursor: tuple[datetime, str] | None, ascending: bool,
                           *, batch: int) -> list[dict[str, Any]]:
@@ -148,6 +171,16 @@ class CompletionStore:
             statement = self._newer if ascending else self._older
             params = [org_id, month, cursor[0], cursor[1], batch]
         return await execute(self._session, statement, params)
+
+
+def _may_match(index_row: dict[str, Any], model: str | None, metadata: dict[str, str]) -> bool:
+    """Whether an index row passes the filter (an index row without metadata, written before it was indexed, may:
+    its completion row says)."""
+    if model is not None and index_row["model"] != model:
+        return False
+    if not metadata or index_row["metadata_json"] is None:
+        return True
+    return _has({"metadata": orjson.loads(index_row["metadata_json"])}, metadata)
 
 
 def _has(row: dict[str, Any], metadata: dict[str, str]) -> bool:
