@@ -1,5 +1,5 @@
 """Rate limits that hold across every gateway process: requests per minute, tokens per minute and requests in
-flight, per key and per org, in Redis.
+flight, per key and per org, in Redis; and reads per minute (list reads and resumes), a bucket of their own.
 
 Requests and tokens are token buckets: capacity = the per-minute limit, refilled continuously at limit/60 per
 second (OpenAI's limits behave so: the ``x-ratelimit-reset-*`` headers say when the bucket is full again). One Lua
@@ -106,6 +106,36 @@ end
 return {1, math.floor(levels[r] - 1), reset(r, 1), math.floor(levels[k] - cost), reset(k, cost)}
 """
 
+# KEYS: 1-2 the key's and the org's read buckets. ARGV: 1-2 their reads per minute.
+# Returns {1, reads remaining, reset ms} or {0, reads remaining, reset ms, scope ('key'|'org'), retry after ms,
+#          limit value}: the remaining and reset of the tighter bucket.
+_READ = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local buckets = {{KEYS[1], tonumber(ARGV[1]), 'key'}, {KEYS[2], tonumber(ARGV[2]), 'org'}}
+local levels = {}
+for i, b in ipairs(buckets) do
+  local v = redis.call('HMGET', b[1], 'v', 't')
+  if v[1] then levels[i] = math.min(b[2], tonumber(v[1]) + (now - tonumber(v[2])) * b[2] / 60000)
+  else levels[i] = b[2] end
+end
+local r = 2
+if levels[1] / buckets[1][2] <= levels[2] / buckets[2][2] then r = 1 end
+local function reset(debit)
+  return math.max(0, math.ceil((buckets[r][2] - (levels[r] - debit)) * 60000 / buckets[r][2]))
+end
+for i, b in ipairs(buckets) do
+  if levels[i] < 1 then
+    return {0, math.floor(levels[r]), reset(0), b[3], math.ceil((1 - levels[i]) * 60000 / b[2]), b[2]}
+  end
+end
+for i, b in ipairs(buckets) do
+  redis.call('HSET', b[1], 'v', string.format('%.17g', levels[i] - 1), 't', now)
+  redis.call('PEXPIRE', b[1], 120000)
+end
+return {1, math.floor(levels[r] - 1), reset(1)}
+"""
+
 # KEYS: 1 the reservation. ARGV: 1 request id, 2 tokens used, 3 '1' when the request was billed (its budget hold is
 # then the billing processor's to end, with its cost), else '0' (the hold is dropped here).
 # Returns 1 when this call settled the reservation, 0 when there was none (settled already, or expired).
@@ -192,6 +222,31 @@ class Refused:
 
 
 Decision = Admitted | Refused
+
+
+@dataclass(frozen=True)
+class ReadWindow:
+    """Where the tighter of the key's and the org's read buckets stands (a list read or a resume takes one read)."""
+
+    limit: int
+    remaining: int
+    reset_ms: int
+
+    def headers(self) -> dict[str, str]:
+        # OpenAI's names: a read endpoint's requests are its reads
+        return {"x-ratelimit-limit-requests": str(self.limit),
+                "x-ratelimit-remaining-requests": str(max(self.remaining, 0)),
+                "x-ratelimit-reset-requests": duration(self.reset_ms)}
+
+
+@dataclass(frozen=True)
+class ReadDecision:
+    admitted: bool
+    window: ReadWindow
+    #: refused: whose bucket was empty ('key' | 'org'), when it holds a read again, and its limit
+    scope: str = ""
+    retry_after_ms: int = 0
+    value: int = 0
 #: (request id, tokens used, billed)
 Settlement = tuple[str, int, bool]
 
@@ -201,6 +256,11 @@ class Limiter(Protocol):
 
     async def admit(self, request_id: str, tokens: int, *, key_id: str, org_id: str, key_limits: Limits,
                     org_limits: Limits, budget: BudgetHold | None = None) -> Decision: ...
+
+    async def admit_read(self, *, key_id: str, org_id: str, key_reads: int, org_reads: int) -> ReadDecision:
+        """One read (a list read or a resume) against the key's and the org's read buckets (``*_reads`` per
+        minute); a bucket apart from the requests': reads never take what generation may use, nor the reverse."""
+        ...
 
     async def release(self, request_id: str, *, key_id: str, org_id: str) -> None:
         """The request is over for its client: its in-flight slots are free (its tokens are settled later)."""
@@ -232,6 +292,7 @@ class RateLimiter:
         self._ttl = reservation_ttl_s
         self._admit = redis.register_script(_ADMIT)
         self._settle = redis.register_script(_SETTLE)
+        self._read = redis.register_script(_READ)
 
     def _keys(self, scope: str, ident: str) -> list[str]:
         return [redis_key(self._settings, "rl", scope, ident, part) for part in ("requests", "tokens", "flight")]
@@ -262,6 +323,15 @@ class RateLimiter:
         if int(answer[0]) == 0:
             return Refused(_text(answer[5]), _text(answer[6]), int(answer[7]), int(answer[8]), window)
         return Admitted(window)
+
+    async def admit_read(self, *, key_id: str, org_id: str, key_reads: int, org_reads: int) -> ReadDecision:
+        keys = [redis_key(self._settings, "rl", scope, ident, "reads") for scope, ident in (("key", key_id),
+                                                                                             ("org", org_id))]
+        answer = await self._read(keys=keys, args=[key_reads, org_reads])
+        window = ReadWindow(min(key_reads, org_reads), int(answer[1]), int(answer[2]))
+        if int(answer[0]) == 0:
+            return ReadDecision(False, window, _text(answer[3]), int(answer[4]), int(answer[5]))
+        return ReadDecision(True, window)
 
     async def release(self, request_id: str, *, key_id: str, org_id: str) -> None:
         flights = [self._keys(scope, ident)[2] for scope, ident in (("key", key_id), ("org", org_id))]

@@ -10,6 +10,9 @@ An org with a monthly budget has each request's budget hold (``budget.py``) chec
 that could take the org's spend past its budget is 429 ``insufficient_quota``, as OpenAI answers a spent quota
 (no Retry-After: waiting does not help; raising the budget does, at once). The local limiter cannot see the spend:
 with Redis down, budgets are not enforced for tiers served locally.
+
+List reads and stream resumes are admitted apart (``admit_read``): a read bucket per key and per org, as many reads
+a minute as the org's requests, refused with the same 429 and headers.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from producers.gateway.budget import HoldPricer
 from producers.gateway.errors import ApiError, unavailable
 from producers.gateway.local_limiter import LocalLimiter
-from runtime.limiter import Admitted, Limiter, Refused, Window
+from runtime.limiter import Admitted, Limiter, ReadDecision, ReadWindow, Refused, Window
 from runtime.metrics import LIMITER_DECISIONS, LIMITER_REDIS_DOWN, LIMITER_SECONDS
 from runtime.settings import TierTable
 from runtime.spend import BudgetHold
@@ -42,6 +45,15 @@ LIMITER_DOWN = (RedisError, OSError)
 
 _WHAT = {"requests": "requests per min (RPM)", "tokens": "tokens per min (TPM)",
          "concurrent": "requests in flight"}
+
+
+def reads_for(org: OrgRecord, tiers: TierTable) -> int:
+    """List reads and resumes a minute, per key and per org: as many as the requests the org may make (its tier's
+    rate or its own), counted in a bucket of their own. Each reads at most one page (or rewinds no shared feed), so
+    this caps what one key costs Cassandra and the relay at that rate, and it admits what a client of the tier
+    does: a list after each create, and a resume of every stream it has in flight at once (``max_concurrent`` is
+    below the rate in every tier)."""
+    return limits_for(org, tiers).requests_per_minute
 
 
 @dataclass(frozen=True)
@@ -114,6 +126,26 @@ class Admission:
         LIMITER_DECISIONS.labels(outcome="admitted", limiter=kind).inc()
         return Ticket(request_id, key.key_id, key.org_id, tokens, limiter, decision.window, local)
 
+    async def admit_read(self, key: ApiKey) -> ReadWindow:
+        """One list read or resume of ``key``, before it reads anything: 429 ``rate_limit_exceeded`` past its reads
+        per minute (``reads_for``). With the shared limiter unreachable this process's own read buckets decide,
+        whatever the tier's ``when_redis_down``: a read generates nothing, and the local buckets still bound it."""
+        reads = reads_for(key.org, self._tiers)
+        kind = "shared"
+        try:
+            decision = await self._shared.admit_read(key_id=key.key_id, org_id=key.org_id, key_reads=reads,
+                                                     org_reads=reads)
+        except LIMITER_DOWN:
+            LIMITER_REDIS_DOWN.labels(policy="local").inc()
+            kind = "local"
+            decision = await self._local.admit_read(key_id=key.key_id, org_id=key.org_id, key_reads=reads,
+                                                    org_reads=reads)
+        if not decision.admitted:
+            LIMITER_DECISIONS.labels(outcome="reads", limiter=kind).inc()
+            raise read_limited(decision, key)
+        LIMITER_DECISIONS.labels(outcome="read_admitted", limiter=kind).inc()
+        return decision.window
+
     async def end(self, ticket: Ticket, used_tokens: int | None = None) -> None:
         """The client's answer is over: its in-flight slots are free. The worker that finalized the request settles
         its tokens; the gateway settles only what this process alone admitted (with the usage when it knows it,
@@ -166,6 +198,16 @@ def over_budget(refused: Refused, key: ApiKey, budget: BudgetHold | None) -> Api
     return ApiError(429, f"You exceeded your current quota: organization {key.org_id}'s monthly budget of "
                          f"${refused.value / 1e9:.2f} is spent{hold}. Raise the budget to be served again.",
                     type="insufficient_quota", code="insufficient_quota", headers=refused.headers())
+
+
+def read_limited(refused: ReadDecision, key: ApiKey) -> ApiError:
+    where = f"organization {key.org_id}" if refused.scope == "org" else f"API key {key.key_id}"
+    wait_s = refused.retry_after_ms / 1000
+    headers = refused.window.headers() | {"retry-after": str(max(1, math.ceil(wait_s))),
+                                          "retry-after-ms": str(refused.retry_after_ms)}
+    return ApiError(429, f"Rate limit reached for {where} on reads per min (list reads and stream resumes): "
+                         f"Limit {refused.value}. Please try again in {wait_s:.3g}s.",
+                    type="requests", code="rate_limit_exceeded", headers=headers)
 
 
 def rate_limited(refused: Refused, tokens: int, key: ApiKey) -> ApiError:

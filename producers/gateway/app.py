@@ -130,7 +130,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.ctx = GatewayContext(settings, tenancy, tenancy_admin, suspensions, ledger, prompts, claim, relay,
                                        chat_service, stored_completions,
                                        responses_service,
-                                       ConversationService(conversation_store, pending))
+                                       ConversationService(conversation_store, pending), admission)
         log.info("gateway ready", extra={"instance": settings.gateway.instance_id, "gateway_id": claim.gateway_id,
                                          "reply_partition": reply_partition})
         gc_pauses.freeze_startup()

@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from billing.ledger import Ledger
-from producers.gateway.admission import LIMITER_DOWN
+from producers.gateway.admission import LIMITER_DOWN, Admission
 from producers.gateway.conversations import ConversationService
 from producers.gateway.errors import ApiError, unauthorized
 from producers.gateway.keys import hash_key
@@ -40,6 +40,8 @@ class GatewayContext:
     stored: StoredCompletions
     responses: ResponsesService
     conversations: ConversationService
+    #: list reads and resumes take a read from it (``Admission.admit_read``) before they read anything
+    admission: Admission
 
 
 async def context(request: Request) -> GatewayContext:

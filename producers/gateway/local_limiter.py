@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from runtime.limiter import Admitted, Decision, Limits, Refused, Window
+from runtime.limiter import Admitted, Decision, Limits, ReadDecision, ReadWindow, Refused, Window
 from runtime.spend import BudgetHold
 
 
@@ -93,6 +93,23 @@ class LocalLimiter:
         own_tokens = (checks[1][0], checks[3][0])
         self._reservations[request_id] = _Reservation(tokens, own_tokens, flights)
         return Admitted(window())
+
+    async def admit_read(self, *, key_id: str, org_id: str, key_reads: int, org_reads: int) -> ReadDecision:
+        now = self._now()
+        buckets = [(self._bucket(scope, ident, "reads", self._scaled(reads), now), scope)
+                   for scope, ident, reads in (("key", key_id, key_reads), ("org", org_id, org_reads))]
+        tight = min(buckets, key=lambda b: b[0].level / b[0].capacity)[0]
+
+        def window(debit: float) -> ReadWindow:
+            return ReadWindow(int(tight.capacity), math.floor(tight.level - debit), tight.reset_ms(debit))
+
+        for bucket, scope in buckets:
+            if bucket.level < 1:
+                wait = math.ceil((1 - bucket.level) * 60_000 / bucket.capacity)
+                return ReadDecision(False, window(0), scope, wait, int(bucket.capacity))
+        for bucket, _scope in buckets:
+            bucket.level -= 1
+        return ReadDecision(True, window(0))
 
     async def release(self, request_id: str, *, key_id: str, org_id: str) -> None:
         for scope, ident in (("key", key_id), ("org", org_id)):

@@ -37,6 +37,7 @@ async def create_conversation(request: Request, ctx: Context, key: Caller) -> di
 @router.get("/v1/conversations", responses=_ERRORS)
 async def list_conversations(ctx: Context, key: Caller, after: str | None = After,
                              limit: int = Limit) -> dict[str, Any]:
+    await ctx.admission.admit_read(key)
     return await ctx.conversations.list(key, after=after, limit=limit)
 
 
@@ -59,6 +60,7 @@ async def delete_conversation(conversation_id: str, ctx: Context, key: Caller) -
 @router.get("/v1/conversations/{conversation_id}/items", responses=_ERRORS)
 async def list_items(conversation_id: str, ctx: Context, key: Caller, after: str | None = After,
                      limit: int = Limit, order: Literal["asc", "desc"] = Query(default="desc")) -> dict[str, Any]:
+    await ctx.admission.admit_read(key)
     return await ctx.conversations.items(conversation_id, key, after=after, limit=limit, ascending=order == "asc")
 
 

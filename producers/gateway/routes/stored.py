@@ -40,6 +40,7 @@ def _metadata(request: Request) -> dict[str, str]:
 async def list_chat_completions(request: Request, ctx: Context, key: Caller, model: str | None = None,
                                 after: str | None = After, limit: int = Limit,
                                 order: Literal["asc", "desc"] = Order) -> dict[str, Any]:
+    await ctx.admission.admit_read(key)
     return await ctx.stored.list(key.org_id, after=after, limit=limit, ascending=order == "asc", model=model,
                                  metadata=_metadata(request))
 

@@ -51,6 +51,7 @@ def _by_day(_model: str, at: datetime) -> str:
 @router.get("/v1/usage")
 async def usage(ctx: Context, key: Caller, start: str = Query(...), end: str | None = Query(None),
                 group_by: str = Query("model")) -> dict[str, Any]:
+    await ctx.admission.admit_read(key)
     begin = parse_time(start, "start")
     finish = parse_time(end, "end") if end is not None else datetime.now(UTC)
     if finish <= begin:
