@@ -10,9 +10,11 @@ left) are counted and dropped, and a record of a single such request (keyed by i
 Resuming a stream (``runtime/streams.py``) registers it on the partition its tokens live on, from an offset at
 or before its first event, on a feed of resumed streams of that partition (a second consumer, even for this
 gateway's own partition, opened for as long as resumed streams are open): the live feed never goes back. A resume
-from an offset that feed has passed rewinds it; each stream remembers the next offset it takes, so the streams
-already on the feed see no record twice (a resume far back delays the other *resumed* streams of its partition
-while the feed catches up).
+from an offset that feed has passed by at most ``NEAR_REWIND`` records rewinds it; each stream remembers the next
+offset it takes, so the streams already on the feed see no record twice. A resume further back gets a consumer of
+its own (a catch-up, ``MAX_CATCH_UPS`` per process at once) that reads its backlog and hands the stream to the
+feed once it has read as far: one client's far resume (up to the resume window back, repeated at will) never holds
+back another's resumed stream, and a catch-up whose client left stops at once.
 
 The relay reads ``read_uncommitted``: token deltas are not transactional (a transaction per token would
 cost milliseconds each) and only a request's final event rides in the worker's transaction; waiting for
@@ -50,6 +52,12 @@ log = logging.getLogger(__name__)
 IDLE_FEED_S = 30.0
 #: records routed between two yields to the event loop
 YIELD_EVERY = 1000
+#: a resume at most this many records behind its partition's feed of resumed streams rewinds that feed (a replay of
+#: a few milliseconds for the feed's other streams); one further back reads its backlog on a consumer of its own
+NEAR_REWIND = 1000
+#: far resumes reading their backlog at once in one gateway process (each a consumer decoding its partition's
+#: records); another waits for a turn, delaying no stream but its own
+MAX_CATCH_UPS = 8
 
 
 @dataclass
@@ -109,24 +117,31 @@ class _Feed:
     async def _run(self, consumer: AIOKafkaConsumer) -> None:
         try:
             while not self._stop.is_set():
-                if self._rewind_to is not None:
-                    consumer.seek(self.tp, self._rewind_to)
-                    self.position, self._rewind_to = min(self.position, self._rewind_to), None
-                batch = await consumer.getmany(self.tp, timeout_ms=200)
-                for n, record in enumerate(batch.get(self.tp, ())):
-                    if self._rewind_to is not None:
-                        # A resume asked for records this fetch may be past: none is routed before the seek,
-                        # or the resumed stream would take a live record first and drop its own backlog.
-                        break
-                    await self._route(record)
-                    if n % YIELD_EVERY == YIELD_EVERY - 1:
-                        await asyncio.sleep(0)  # a large backlog must not hold the event loop for a whole fetch
+                await self._route_batch(consumer)
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.exception("relay consumer failed; ending its open streams", extra={"partition": self.tp.partition})
-            self.fail_all("the gateway's token relay failed", ErrorCode.GATEWAY_STOPPING)
+            self._failed()
             raise
+
+    async def _route_batch(self, consumer: AIOKafkaConsumer) -> None:
+        """One fetch, routed (after the seek a resume asked for, if any)."""
+        if self._rewind_to is not None:
+            consumer.seek(self.tp, self._rewind_to)
+            self.position, self._rewind_to = min(self.position, self._rewind_to), None
+        batch = await consumer.getmany(self.tp, timeout_ms=200)
+        for n, record in enumerate(batch.get(self.tp, ())):
+            if self._rewind_to is not None:
+                # A resume asked for records this fetch may be past: none is routed before the seek, or the
+                # resumed stream would take a live record first and drop its own backlog.
+                break
+            await self._route(record)
+            if n % YIELD_EVERY == YIELD_EVERY - 1:
+                await asyncio.sleep(0)  # a large backlog must not hold the event loop for a whole fetch
+
+    def _failed(self) -> None:
+        log.exception("relay consumer failed; ending its open streams", extra={"partition": self.tp.partition})
+        self.fail_all("the gateway's token relay failed", ErrorCode.GATEWAY_STOPPING)
 
     async def _route(self, record: ConsumerRecord[bytes, bytes]) -> None:
         self.position = max(self.position, record.offset + 1)
@@ -191,6 +206,38 @@ class _Feed:
             await stop_consumer(self._consumer)
 
 
+class _CatchUp(_Feed):
+    """A far resume's own consumer: reads its stream's backlog, then hands its streams to the partition's feed of
+    resumed streams once it has read as far as that feed (``Relay._hand_over``); while that feed is closed it goes
+    on alone. It ends as soon as it has no stream left (handed over, or its client left)."""
+
+    def __init__(self, kafka: KafkaSettings, tp: TopicPartition, relay: Relay) -> None:
+        super().__init__(kafka, tp, relay)
+        #: its loop is over: it takes no stream any more
+        self.ending = False
+
+    async def _run(self, consumer: AIOKafkaConsumer) -> None:
+        try:
+            while not self._stop.is_set() and self.sinks:
+                await self._route_batch(consumer)
+                # Every record before the consumer's position has been routed (transaction markers included)
+                self.position = max(self.position, await consumer.position(self.tp))
+                if self._relay._hand_over(self):
+                    break
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self._failed()
+            raise
+        finally:
+            # NOTE: the catch-up closes its own consumer and gives its turn back (Relay._catch_up_ended)
+            self.ending = True
+            self._relay._catch_up_ended(self)
+            consumer, self._consumer = self._consumer, None
+            if consumer is not None:
+                await stop_consumer(consumer)
+
+
 class Relay:
     def __init__(self, kafka: KafkaSettings, topic: str, partition: int,
                  dead_letters: DeadLetters | None = None) -> None:
@@ -201,6 +248,9 @@ class Relay:
         #: other gateways' partitions, tailed for resumed streams
         self._others: dict[int, _Feed] = {}
         self._opening: dict[int, asyncio.Future[_Feed]] = {}
+        #: far resumes reading their backlog (``_CatchUp``), and the turns they take
+        self._catch_ups: set[_CatchUp] = set()
+        self._catch_up_turns = asyncio.Semaphore(MAX_CATCH_UPS)
         self._where: dict[str, _Feed] = {}
         self._janitor: asyncio.Task[None] | None = None
         self.hop = KAFKA_HOP.labels(hop="worker_to_relay")
@@ -229,11 +279,59 @@ class Relay:
     async def resume(self, request_id: str, partition: int, from_offset: int, *, skip_through: int) -> StreamCollector:
         """An existing stream, merged from ``from_offset`` of ``partition``; its deltas through position
         ``skip_through`` are merged but not handed out (its client has them). Always on a feed of resumed streams,
-        this gateway's own partition included: a resume far back rewinds that feed, never the live one."""
+        this gateway's own partition included, never the live one; a resume more than ``NEAR_REWIND`` records behind
+        that feed reads its backlog on a catch-up first."""
         if request_id in self._where:
             raise ValueError(f"request {request_id} is already registered")
         feed = await self._feed(partition, from_offset)
-        return self._add(feed, request_id, StreamCollector(request_id, skip_through=skip_through), from_offset)
+        collector = StreamCollector(request_id, skip_through=skip_through)
+        if feed.position - from_offset > NEAR_REWIND:
+            return await self._catch_up(request_id, feed.tp, from_offset, collector)
+        return self._add(feed, request_id, collector, from_offset)
+
+    async def _catch_up(self, request_id: str, tp: TopicPartition, from_offset: int, collector: StreamCollector
+                        ) -> StreamCollector:
+        """A far resume: on a catch-up of its partition near its offset, or on one of its own once a turn is free."""
+        while True:
+            for catch_up in self._catch_ups:
+                if (catch_up.tp == tp and not catch_up.ending and catch_up.healthy
+                        and catch_up.position - from_offset <= NEAR_REWIND):
+                    return self._add(catch_up, request_id, collector, from_offset)
+            if not self._catch_up_turns.locked():
+                break
+            async with self._catch_up_turns:  # wait for a turn, then look again: one may have opened meanwhile
+                pass
+        await self._catch_up_turns.acquire()
+        catch_up = _CatchUp(self._kafka, tp, self)
+        self._add(catch_up, request_id, collector, from_offset)  # before its first fetch
+        try:
+            await catch_up.start(from_offset)
+        except BaseException:
+            self.unregister(request_id)
+            self._catch_up_turns.release()
+            raise
+        self._catch_ups.add(catch_up)
+        return collector
+
+    def _hand_over(self, catch_up: _CatchUp) -> bool:
+        """A catch-up's streams to its partition's feed of resumed streams, once the catch-up has routed every record
+        before that feed's position: from there on the feed routes them (what it passes below a stream's next offset
+        is not routed again). False while the catch-up is behind, or the feed is closed."""
+        feed = self._others.get(catch_up.tp.partition)
+        if feed is None or not feed.healthy or catch_up.position < feed.position:
+            return False
+        for request_id, sink in catch_up.sinks.items():
+            sink.next_offset = max(sink.next_offset, catch_up.position)
+            feed.sinks[request_id] = sink
+            self._where[request_id] = feed
+        catch_up.sinks.clear()
+        feed.idle_since = None
+        return True
+
+    def _catch_up_ended(self, catch_up: _CatchUp) -> None:
+        if catch_up in self._catch_ups:
+            self._catch_ups.discard(catch_up)
+            self._catch_up_turns.release()
 
     def _add(self, feed: _Feed, request_id: str, collector: StreamCollector, from_offset: int | None
              ) -> StreamCollector:
@@ -293,7 +391,7 @@ class Relay:
             await self._dead_letters.send(record, reason)
 
     def _feeds(self) -> list[_Feed]:
-        return [self._own, *self._others.values()]
+        return [self._own, *self._others.values(), *self._catch_ups]
 
     def streams(self) -> list[StreamCollector]:
         return [sink.collector for feed in self._feeds() for sink in feed.sinks.values()]
