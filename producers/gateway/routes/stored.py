@@ -48,6 +48,7 @@ async def list_chat_completions(request: Request, ctx: Context, key: Caller, mod
 @router.get("/v1/chat/completions/{completion_id}/messages", responses=_ERRORS)
 async def chat_completion_messages(completion_id: str, ctx: Context, key: Caller, after: str | None = After,
                                    limit: int = Limit, order: Literal["asc", "desc"] = Order) -> dict[str, Any]:
+    await ctx.admission.admit_read(key)
     return await ctx.stored.messages(completion_id, key.org_id, after=after, limit=limit, ascending=order == "asc")
 
 

@@ -109,12 +109,15 @@ def _refusing_context() -> tuple[Any, Any]:
     return ctx, key
 
 
-@pytest.mark.parametrize("route", ["stored completions", "conversations", "conversation items", "usage"])
+@pytest.mark.parametrize("route", ["stored completions", "stored messages", "conversations", "conversation items",
+                                   "usage"])
 async def test_a_list_read_past_the_read_rate_is_refused_before_it_reads(route: str) -> None:
     ctx, key = _refusing_context()
     await ctx.admission.admit_read(key)  # the bucket's one read
     calls = {
         "stored completions": lambda: stored.list_chat_completions(None, ctx, key, model=None, after=None, limit=20,
+                                                                   order="desc"),
+        "stored messages": lambda: stored.chat_completion_messages("chatcmpl-1", ctx, key, after=None, limit=20,
                                                                    order="desc"),
         "conversations": lambda: conversations.list_conversations(ctx, key, after=None, limit=20),
         "conversation items": lambda: conversations.list_items("conv_1", ctx, key, after=None, limit=20,
