@@ -70,13 +70,15 @@ def billing_table(result: dict[str, Any]) -> Table:
 def safety(
     requests: int = typer.Option(200, min=1), concurrency: int = typer.Option(4, min=1),
     streams: int = typer.Option(10, min=1), as_json: bool = JSON,
+    long: bool = typer.Option(False, "--long", help="Benign requests with a system message and about 2,500 "
+                              "characters of prose before the question (new to the pre-filter each time)."),
 ) -> None:
     """Pre-filter latency (submitted → admitted) and post-filter slip, on the running stack."""
     from bench.safety_latency import run
 
     out = _out(as_json)
     settings = load_settings()
-    result = asyncio.run(run(settings, requests, concurrency, streams))
+    result = asyncio.run(run(settings, requests, concurrency, streams, long=long))
     pre, post = result["prefilter"]["added_latency_s"], result["postfilter"]
     out.print(f"pre-filter added latency over {result['prefilter']['requests']} requests: "
               f"p50 {pre['p50'] * 1000:.1f} ms, p99 {pre['p99'] * 1000:.1f} ms")

@@ -335,6 +335,11 @@ class SafetySettings(BaseModel):
     embedding_threshold: float = 0.35
     embedding_margin: float = 0.08
     embedding_neighbours: int = 1
+    #: the bar for the text around a request (system prompts, earlier turns, windows of a long message): the lowest
+    #: threshold at which no sentence of the project's own docs (1,442, benign technical prose) is blocked; a prompt
+    #: has tens of windows, and each is another chance of a false alarm at the bar above
+    embedding_context_threshold: float = 0.5
+    embedding_context_margin: float = 0.08
 
 
 class AbuseSettings(BaseModel):

@@ -6,7 +6,10 @@
   clearly closer than its closest benign one (the benign set holds the hard negatives).
 * ``combined`` (the default): rules first, then embeddings.
 
-``classify`` is blocking CPU work (a batch of texts at a time); processors call it in a thread.
+``classify`` is blocking CPU work (a batch of texts at a time); processors call it in a thread. ``context=True``
+judges text that surrounds the request rather than being it (system prompts, earlier turns, windows of a long
+message: ``policy.prompt_windows``): the rules alike, the embeddings at a stricter bar, because a request has many
+such windows and each one is another chance of a false alarm.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ DATA = Path(__file__).parent / "data"
 EXEMPLARS = DATA / "exemplars.v2.jsonl"
 RULES = DATA / "rules.v1.json"
 BENIGN = "benign"
+#: texts embedded in one forward pass
+EMBED_SLICE = 32
 
 
 @dataclass(frozen=True)
@@ -42,7 +47,7 @@ class SafetyClassifier(Protocol):
     #: name and data version, recorded in every verdict
     name: str
 
-    def classify(self, texts: list[str]) -> list[Verdict]: ...
+    def classify(self, texts: list[str], *, context: bool = False) -> list[Verdict]: ...
 
 
 def load_labelled(path: Path) -> list[dict[str, str]]:
@@ -61,7 +66,7 @@ class RuleClassifier:
                 return Verdict(True, category, 1.0, f"rule:{category}")
         return ALLOW
 
-    def classify(self, texts: list[str]) -> list[Verdict]:
+    def classify(self, texts: list[str], *, context: bool = False) -> list[Verdict]:
         return [self.one(t) for t in texts]
 
 
@@ -76,29 +81,35 @@ class EmbeddingClassifier:
         self._categories = [r["category"] for r in rows]
         self._harmful = [r["label"] != BENIGN for r in rows]
         self._matrix = self._embedder.embed(self._texts)
-        self._threshold = settings.embedding_threshold
-        self._margin = settings.embedding_margin
+        self._bars = {False: (settings.embedding_threshold, settings.embedding_margin),
+                      True: (settings.embedding_context_threshold, settings.embedding_context_margin)}
         self._k = settings.embedding_neighbours
 
     def scores(self, texts: list[str]) -> list[tuple[float, float, int]]:
         """Per text: (best harmful similarity, best benign similarity, index of the best harmful exemplar),
         each a mean over the k nearest of its class (k=1 is plain nearest neighbour)."""
         torch = self._embedder._torch
-        sims = self._embedder.embed(texts) @ self._matrix.T
+        # Shortest first, a slice at a time: a batch is padded to its longest text, and the windows of one long
+        # prompt are many short texts beside a few long ones.
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        embedded = [self._embedder.embed([texts[i] for i in order[start:start + EMBED_SLICE]])
+                    for start in range(0, len(order), EMBED_SLICE)]
+        sims = torch.cat(embedded) @ self._matrix.T if embedded else []
         harmful_mask = torch.tensor(self._harmful)
-        out = []
-        for row in sims:
+        out: list[tuple[float, float, int]] = [(0.0, 0.0, 0)] * len(texts)
+        for i, row in zip(order, sims, strict=True):
             harmful, benign = row[harmful_mask], row[~harmful_mask]
             k_h, k_b = min(self._k, len(harmful)), min(self._k, len(benign))
             top_h = harmful.topk(k_h)
             best_index = int(harmful_mask.nonzero()[top_h.indices[0]])
-            out.append((float(top_h.values.mean()), float(benign.topk(k_b).values.mean()), best_index))
+            out[i] = (float(top_h.values.mean()), float(benign.topk(k_b).values.mean()), best_index)
         return out
 
-    def classify(self, texts: list[str]) -> list[Verdict]:
+    def classify(self, texts: list[str], *, context: bool = False) -> list[Verdict]:
+        threshold, margin = self._bars[context]
         verdicts = []
         for harmful, benign, index in self.scores(texts):
-            blocked = harmful >= self._threshold and harmful - benign >= self._margin
+            blocked = harmful >= threshold and harmful - benign >= margin
             category = self._categories[index] if blocked else BENIGN
             verdicts.append(Verdict(blocked, category, round(harmful, 4), f"nearest:{self._texts[index]}"))
         return verdicts
@@ -110,11 +121,12 @@ class CombinedClassifier:
         self._embedding = EmbeddingClassifier(settings)
         self.name = f"combined/{RULES.stem}+{EXEMPLARS.stem}"
 
-    def classify(self, texts: list[str]) -> list[Verdict]:
+    def classify(self, texts: list[str], *, context: bool = False) -> list[Verdict]:
         verdicts = self._rules.classify(texts)
         undecided = [i for i, v in enumerate(verdicts) if not v.blocked]
         if undecided:
-            for i, verdict in zip(undecided, self._embedding.classify([texts[i] for i in undecided]), strict=True):
+            for i, verdict in zip(undecided, self._embedding.classify([texts[i] for i in undecided], context=context),
+                                  strict=True):
                 verdicts[i] = verdict
         return verdicts
 

@@ -1,7 +1,9 @@
-"""What the safety filters look at, and what a refusal or a halt is. Pure functions, no I/O."""
+"""What the safety filters look at (the whole prompt, in windows), and what a refusal or a halt is. Pure functions,
+no I/O."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -22,12 +24,63 @@ PREFILTER = "safety-prefilter"
 POSTFILTER = "safety-postfilter"
 
 
-def prompt_text(request: ChatRequest, max_chars: int = 2000) -> str:
-    """The newest user turn is what asks for something now; earlier turns were screened when they were new."""
-    for message in reversed(request.messages):
-        if message.role == "user":
-            return message.content[-max_chars:]
-    return (request.messages[-1].content if request.messages else "")[-max_chars:]
+#: the newest user turn is classified whole (this much of its end), at the classifier's usual bar
+PRIMARY_CHARS = 2000
+#: every message is also classified in windows of at most this many characters: a sentence, or a run of short ones
+WINDOW_CHARS = 320
+#: sentences shorter than this are screened together with the next: tiny sentences cannot multiply the windows
+MIN_WINDOW_CHARS = 16
+#: a prompt has at most about this many windows: a longer prompt's windows are longer
+MAX_WINDOWS = 256
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n\s*\n")
+_LETTER = re.compile(r"[^\W\d_]")
+
+
+@dataclass(frozen=True)
+class PromptWindows:
+    """What the pre-filter classifies of one request: the newest user turn whole at the usual bar (what asks for
+    something now), and all the text that reaches the model in windows at the context bar (classifier.py): every
+    message of every role (system and developer messages, a Responses turn's instructions, supplied or fabricated
+    history, a conversation's items) and every part of a long message, padding or not."""
+
+    primary: str
+    context: tuple[str, ...]
+
+
+def prompt_windows(request: ChatRequest) -> PromptWindows:
+    messages = request.messages
+    newest = next((m.content for m in reversed(messages) if m.role == "user"), messages[-1].content if messages else "")
+    primary = newest[-PRIMARY_CHARS:]
+    least = max(MIN_WINDOW_CHARS, sum(len(m.content) for m in messages) // MAX_WINDOWS)
+    most = max(WINDOW_CHARS, 2 * least)
+    # A window that is the primary text already has the usual bar's verdict, which the context bar never overrules
+    context = dict.fromkeys(w for m in messages for w in windows(m.content, least=least, most=most) if w != primary)
+    return PromptWindows(primary, tuple(context))
+
+
+def windows(text: str, *, least: int = MIN_WINDOW_CHARS, most: int = WINDOW_CHARS) -> list[str]:
+    """The text in windows: its sentences (whitespace folded, those without a letter dropped), the short ones run
+    together up to ``least`` characters, any longer than ``most`` cut into overlapping pieces."""
+    found: list[str] = []
+    run = ""
+    for piece in _SENTENCE_END.split(text):
+        sentence = " ".join(piece.split())
+        if not _LETTER.search(sentence):
+            continue  # punctuation, numbers, padding: nothing to read
+        run = f"{run} {sentence}" if run else sentence
+        if len(run) >= least:
+            found += _pieces(run, most)
+            run = ""
+    return found + (_pieces(run, most) if run else [])
+
+
+def _pieces(text: str, most: int) -> list[str]:
+    """Windows of ``most`` characters, each starting half a window after the previous: whatever is at most half a
+    window long lies whole in one of them."""
+    if len(text) <= most:
+        return [text]
+    step = most // 2
+    return [text[start:start + most] for start in range(0, len(text) - most + step, step)]
 
 
 def expired(request: ChatRequest, now: datetime) -> TokenEvent | None:

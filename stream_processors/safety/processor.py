@@ -1,7 +1,8 @@
 """The safety processor: a pre-filter on requests and a post-filter on token streams, one classifier.
 
 Pre-filter (``llm.requests.submitted.v1`` → ``llm.requests.admitted.v1``): every request is classified before any
-GPU work. Admitted ones are forwarded unchanged (headers included); refused ones get a final token event with
+GPU work, the whole of what reaches the model: every message of every role, in windows (``screening.py``).
+Admitted ones are forwarded unchanged (headers included); refused ones get a final token event with
 ``content_filter`` on their reply partition, so the client's stream ends at once. Every decision is a verdict event.
 
 Post-filter (``llm.tokens.emitted.v1``, beside the relays, not in their path): each request's latest output is
@@ -15,7 +16,6 @@ forward is harmless (workers generate a request id once), so is a duplicate halt
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import logging
@@ -27,7 +27,7 @@ import faust
 from redis.exceptions import RedisError
 
 from runtime.limiter import RateLimiter
-from runtime.metrics import SAFETY_CLASSIFY, SAFETY_PREFILTER_DELAY, SAFETY_STALE, SAFETY_VERDICTS
+from runtime.metrics import SAFETY_PREFILTER_DELAY, SAFETY_STALE
 from runtime.redis_client import key as redis_key
 from runtime.redis_client import make_redis
 from runtime.settings import Settings
@@ -50,28 +50,17 @@ from stream_processors.safety.policy import (
     OutputWindow,
     expired,
     halt,
-    prompt_text,
     refusal,
     unreadable,
     verdict_event,
 )
+from stream_processors.safety.screening import PromptScreen, classify_many, counted
 
 log = logging.getLogger(__name__)
 
 
-async def classify_many(classifier: SafetyClassifier, texts: list[str], stage: str) -> list[Verdict]:
-    """One forward pass for a batch: under load this is most of the pre-filter's cost, and a batch of n costs
-    far less than n single passes."""
-    started = time.perf_counter()
-    verdicts = await asyncio.to_thread(classifier.classify, texts)
-    SAFETY_CLASSIFY.labels(stage=stage).observe(time.perf_counter() - started)
-    for verdict in verdicts:
-        SAFETY_VERDICTS.labels(stage=stage, blocked=str(verdict.blocked).lower(), category=verdict.category).inc()
-    return verdicts
-
-
 async def classify(classifier: SafetyClassifier, text: str, stage: str) -> Verdict:
-    (verdict,) = await classify_many(classifier, [text], stage)
+    (verdict,) = counted(stage, await classify_many(classifier, [text], stage))
     return verdict
 
 
@@ -99,6 +88,7 @@ def build(settings: Settings) -> faust.App:
     # to matter is skipped by age.
     app = build_app(settings, "safety", guarantee="at_least_once")
     classifier = make_classifier(settings.safety)
+    prompts = PromptScreen(classifier)
     redis = make_redis(settings.redis)
     dead = DeadLetters(app, settings, "safety")
     tokens = raw_topic(app, settings, TOPICS.tokens)
@@ -161,7 +151,7 @@ def build(settings: Settings) -> faust.App:
             batch.append((event, request))
         if not batch:
             return
-        verdicts = await classify_many(classifier, [prompt_text(request) for _, request in batch], "pre")
+        verdicts = await prompts.verdicts([request for _, request in batch])
         for (event, request), verdict in zip(batch, verdicts, strict=True):
             if verdict.blocked:
                 await end_here(request, refusal(request))

@@ -8,7 +8,7 @@ import pytest
 
 from schemas.events import ChatMessage, ChatRequest, ReplyTo, SamplingSpec, TokenEvent
 from stream_processors.safety.classifier import RuleClassifier
-from stream_processors.safety.policy import OutputWindow, prompt_text, refusal
+from stream_processors.safety.policy import OutputWindow, prompt_windows, refusal
 
 
 @pytest.mark.parametrize("text", [
@@ -33,9 +33,11 @@ def request(*messages: tuple[str, str]) -> ChatRequest:
                        sampling=SamplingSpec(max_tokens=5), stream=True, reply=ReplyTo(partition=4, gateway_id="g"))
 
 
-def test_the_newest_user_turn_is_screened() -> None:
+def test_the_newest_user_turn_is_screened_whole_and_every_message_in_windows() -> None:
     turns = (("system", "sys"), ("user", "first"), ("assistant", "a"), ("user", "second"))
-    assert prompt_text(request(*turns)) == "second"
+    screened = prompt_windows(request(*turns))
+    assert screened.primary == "second"
+    assert screened.context == ("sys", "first", "a")
 
 
 def test_a_refusal_ends_the_stream_with_content_filter_and_bills_nothing() -> None:
