@@ -10,6 +10,12 @@ applies to a live conversation of its org, so nothing brings back a deleted conv
 one. A delete marks the row (every read answers 404 at once) and the purge removes its rows after
 :data:`PURGE_AFTER_S`. Writes that span tables are ordered so that a crash between two of them leaves nothing a
 reader trusts: index rows are checked against the conversation row, and a retry finishes the work.
+
+Storage is counted per org (``conversation_storage``: what :func:`conversation_bytes` and :func:`item_bytes` say a
+conversation and an item take) for the org's quota, which the gateway checks before a create or a metadata update.
+A write is counted once it is made, and the purge gives a conversation's share back before it forgets it; a process
+dying in between leaves the count lower by that one write, never higher (a quota must not refuse what is not
+stored). A deleted conversation counts until it is purged: its rows are kept until then.
 """
 
 from __future__ import annotations
@@ -33,6 +39,11 @@ PURGE_LOOKBACK_DAYS = 400
 #: an append writes its items in slices of this many: one call's concurrent writes stay bounded however many items a
 #: turn adds (the API takes up to 256 input items per response, 20 per conversation created)
 APPEND_SLICE = 64
+#: what a conversation takes of its org's storage quota beside its metadata and items (its row, its owner's index
+#: rows): Cassandra's own overhead, before replication, roughly
+CONVERSATION_BYTES = 512
+#: and each item beside its text (its row's keys, its pointer)
+ITEM_BYTES = 128
 
 Row = dict[str, Any]
 T = TypeVar("T")
@@ -75,6 +86,11 @@ _CQL = {
     "marked_on": "SELECT deleted_at, conversation_id FROM {ks}.conversations_deleted WHERE day = ? "
                  "AND deleted_at <= ?",
     "unmark_day": "DELETE FROM {ks}.conversations_deleted WHERE day = ? AND deleted_at = ? AND conversation_id = ?",
+    "used": "SELECT bytes FROM {ks}.conversation_storage WHERE org_id = ?",
+    "count_org": "UPDATE {ks}.conversation_storage SET bytes = bytes + ? WHERE org_id = ?",
+    "count_one": "UPDATE {ks}.conversation_storage_by_conversation SET bytes = bytes + ? WHERE conversation_id = ?",
+    "counted": "SELECT bytes FROM {ks}.conversation_storage_by_conversation WHERE conversation_id = ?",
+    "forget_count": "DELETE FROM {ks}.conversation_storage_by_conversation WHERE conversation_id = ?",
 }
 
 Cursor = tuple[datetime, int, str]  # an item's clustering key: (created_at, seq, item_id)
@@ -137,6 +153,8 @@ class ConversationStore:
         month = month_of(c.created_at)
         await asyncio.gather(self._run("own_month", [c.org_id, month]),
                              self._run("own", [c.org_id, month, c.created_at, c.conversation_id]))
+        if result["[applied]"]:
+            await self._count(c.org_id, c.conversation_id, conversation_bytes(c.metadata))
         await self.append(c.conversation_id, items)
 
     async def get(self, conversation_id: str, org_id: str) -> Conversation | None:
@@ -147,8 +165,25 @@ class ConversationStore:
     async def update_metadata(self, conversation_id: str, org_id: str,
                               metadata: dict[str, str]) -> Conversation | None:
         """Replace the metadata; None as :meth:`get`."""
+        row = await self._live(conversation_id, org_id)
+        if row is None:
+            return None
         result = await self._run("set_metadata", [metadata, conversation_id, org_id])
-        return await self.get(conversation_id, org_id) if result[0]["[applied]"] else None
+        if not result[0]["[applied]"]:
+            return None
+        await self._count(org_id, conversation_id,
+                          conversation_bytes(metadata) - conversation_bytes(dict(row["metadata"] or {})))
+        return replace(_conversation(row), metadata=dict(metadata))
+
+    async def storage_used(self, org_id: str) -> int:
+        """What the org's conversations take, deleted ones included until they are purged (bytes, as counted)."""
+        rows = await self._run("used", [org_id])
+        return max(0, int(rows[0]["bytes"] or 0)) if rows else 0
+
+    async def _count(self, org_id: str, conversation_id: str, size: int) -> None:
+        if size:
+            await asyncio.gather(self._run("count_org", [size, org_id]),
+                                 self._run("count_one", [size, conversation_id]))
 
     async def delete(self, conversation_id: str, org_id: str) -> bool:
         row = await self._live(conversation_id, org_id)
@@ -216,7 +251,7 @@ class ConversationStore:
 
     async def _append(self, conversation_id: str, org_id: str, items: list[Item], months: set[str]) -> bool:
         """False: the conversation was deleted (or purged) since it was read."""
-        placed = await self._placed(conversation_id, items)
+        placed, new = await self._placed(conversation_id, items)
         new_months = {month_of(item.created_at) for item in placed} - months
         if new_months:
             result = await self._run("add_months", [new_months, conversation_id, org_id])
@@ -229,14 +264,17 @@ class ConversationStore:
         await asyncio.gather(*(self._run("put_item", [conversation_id, month_of(i.created_at), i.created_at, i.seq,
                                                       i.item_id, i.role, i.text, i.response_id, i.status])
                                for i in placed))
+        # Counted once made, and only the items new to the conversation: a redelivered turn rewrites its rows
+        await self._count(org_id, conversation_id, sum(item_bytes(i) for i in placed if i.item_id in new))
         return True
 
-    async def _placed(self, conversation_id: str, items: list[Item]) -> list[Item]:
-        """The items at the positions they were first written at (their own for new ones)."""
+    async def _placed(self, conversation_id: str, items: list[Item]) -> tuple[list[Item], set[str]]:
+        """The items at the positions they were first written at (their own for new ones), and the ids of the new."""
         rows = await self._run("pointers", [conversation_id, [item.item_id for item in items]])
         first = {r["item_id"]: (_aware(r["created_at"]), r["seq"]) for r in rows}
-        return [replace(i, created_at=first[i.item_id][0], seq=first[i.item_id][1]) if i.item_id in first else i
-                for i in items]
+        placed = [replace(i, created_at=first[i.item_id][0], seq=first[i.item_id][1]) if i.item_id in first else i
+                  for i in items]
+        return placed, {i.item_id for i in items if i.item_id not in first}
 
     async def items(self, conversation_id: str, org_id: str, *, after: str | None, limit: int,
                     ascending: bool) -> Page[Item]:
@@ -319,8 +357,18 @@ class ConversationStore:
         conversation_id = row["conversation_id"]
         await asyncio.gather(*(self._run("drop_items", [conversation_id, month]) for month in row["months"] or ()),
                              self._run("drop_pointers", [conversation_id]), self._disown(row))
+        await self._release(row["org_id"], conversation_id)
         # The conversation row goes after its items: a retry still knows their months.
         await self._run("drop", [conversation_id])
+
+    async def _release(self, org_id: str, conversation_id: str) -> None:
+        """The conversation's share of its org's storage, given back; its own count forgotten after (a retry
+        after a crash in between gives it back twice: the count errs low)."""
+        rows = await self._run("counted", [conversation_id])
+        share = int(rows[0]["bytes"] or 0) if rows else 0
+        if share:
+            await self._run("count_org", [-share, org_id])
+        await self._run("forget_count", [conversation_id])
 
     # --- rows ------------------------------------------------------------------------------------------
 
@@ -364,3 +412,12 @@ def _conversation(row: Row) -> Conversation:
 def _item(row: Row) -> Item:
     return Item(row["item_id"], row["role"], row["text"] or "", _aware(row["created_at"]), row["seq"],
                 row["response_id"], row["status"] or "completed")
+
+
+def conversation_bytes(metadata: dict[str, str]) -> int:
+    """What a conversation takes of its org's storage quota beside its items."""
+    return CONVERSATION_BYTES + sum(len(k.encode()) + len(v.encode()) for k, v in metadata.items())
+
+
+def item_bytes(item: Item) -> int:
+    return ITEM_BYTES + len(item.text.encode())

@@ -20,6 +20,8 @@ from runtime.cassandra_client import connect_async, execute
 from runtime.settings import Settings
 from stream_processors.store.conversations import (
     APPEND_SLICE,
+    CONVERSATION_BYTES,
+    ITEM_BYTES,
     Conversation,
     ConversationNotFound,
     ConversationStore,
@@ -254,6 +256,43 @@ async def test_purge_removes_deleted_conversations_after_retention(store: Conver
     assert texts(await store.history(live.conversation_id, max_items=10)) == ["a", "b", "c"]
     assert [c.conversation_id for c in (await store.list_owned(org, after=None, limit=5)).items] == [
         live.conversation_id]
+
+
+async def test_an_orgs_storage_counts_what_its_conversations_keep(store: ConversationStore) -> None:
+    """Issue 37 H3: a conversation's row and metadata, each of its items once (a redelivered turn is not counted
+    again), a metadata update's difference; another org's count is its own."""
+    org, other = uid("org"), uid("org")
+    conv = conversation(org, topic="x")
+    first = turn(conv.created_at, "hello", "héllo")  # bytes, not characters
+    await store.create(conv, first)
+    created = CONVERSATION_BYTES + len("topic") + len("x") + 2 * ITEM_BYTES + len("hello") + len("héllo".encode())
+    assert await store.storage_used(org) == created
+
+    await store.append(conv.conversation_id, first)  # the writer's redelivery
+    assert await store.storage_used(org) == created
+    await store.append(conv.conversation_id, turn(datetime.now(UTC), "more"))
+    assert await store.storage_used(org) == created + ITEM_BYTES + len("more")
+
+    await store.update_metadata(conv.conversation_id, org, {"topic": "xyz", "n": "1"})
+    assert await store.storage_used(org) == created + ITEM_BYTES + len("more") + len("yz") + len("n1")
+    assert await store.storage_used(other) == 0
+
+
+async def test_the_purge_gives_a_deleted_conversations_storage_back(store: ConversationStore) -> None:
+    org = uid("org")
+    gone, live = conversation(org), conversation(org)
+    for conv in (gone, live):
+        await store.create(conv, turn(conv.created_at, "a" * 100))
+    both = await store.storage_used(org)
+    assert both == 2 * (CONVERSATION_BYTES + ITEM_BYTES + 100)
+
+    await store.delete(gone.conversation_id, org)
+    assert await store.storage_used(org) == both, "a deleted conversation keeps its rows until it is purged"
+    later = datetime.now(UTC) + timedelta(days=31)
+    await store.purge(now=later)
+    assert await store.storage_used(org) == both // 2
+    await store.purge(now=later)  # nothing given back twice
+    assert await store.storage_used(org) == both // 2
 
 
 def test_purge_cli(stack: Settings) -> None:
