@@ -206,6 +206,10 @@ class GatewaySettings(BaseModel):
     # Read-your-writes (producers/gateway/pending_writes.py): a read of a stored completion, a stored response or
     # a conversation's items, right after its create returned, waits at most this long for the writer to write it.
     read_wait_s: float = Field(default=5.0, ge=0)
+    # An item of a conversation created with its items (POST /v1/conversations) holds at most this many characters:
+    # four times what the served model's context (2,048 tokens) takes, so no item that could be part of a prompt is
+    # refused; 20 such items (the most a create takes, as OpenAI's) fit the body limit. Raise it with the context.
+    conversation_item_max_chars: int = Field(default=32_768, gt=0)
     # A turn without max_output_tokens keeps this many tokens of the context free for its answer when its history
     # is fitted (truncation: auto).
     output_reserve_tokens: int = 512
@@ -374,15 +378,19 @@ class TierPolicy(BaseModel):
     priority: Literal["high", "standard", "low"] = "standard"
     #: how long a dropped stream waits for its client to reconnect (None: ``gateway.resume_window_s``)
     resume_window_s: float | None = Field(default=None, ge=0)
+    #: what an org's conversations may keep (bytes of text and metadata, plus a fixed share per conversation and
+    #: item; deleted ones until they are purged): past it, creating a conversation or growing its metadata is
+    #: refused (429 insufficient_quota)
+    conversation_storage_bytes: int = Field(default=50_000_000, gt=0)
 
 
 _TIER_DEFAULTS: dict[str, dict[str, object]] = {
     "free": {"requests_per_minute": 30, "tokens_per_minute": 20_000, "max_concurrent": 4, "queue_deadline_s": 30.0,
              "when_redis_down": "closed", "priority": "low"},
     "plus": {"requests_per_minute": 600, "tokens_per_minute": 500_000, "max_concurrent": 64,
-             "when_redis_down": "local", "priority": "standard"},
+             "when_redis_down": "local", "priority": "standard", "conversation_storage_bytes": 5_000_000_000},
     "enterprise": {"requests_per_minute": 6_000, "tokens_per_minute": 5_000_000, "max_concurrent": 1_000,
-                   "when_redis_down": "local", "priority": "high"},
+                   "when_redis_down": "local", "priority": "high", "conversation_storage_bytes": 50_000_000_000},
 }
 
 

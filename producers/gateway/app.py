@@ -127,10 +127,13 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         stack.callback(responses_service.stop)
         stored_completions = StoredCompletions(await CompletionStore.open(session, settings.cassandra.keyspace),
                                                pending)
+        conversations_service = ConversationService(
+            conversation_store, pending, admission=admission, tiers=tenancy_settings.tiers,
+            item_max_chars=settings.gateway.conversation_item_max_chars)
         app.state.ctx = GatewayContext(settings, tenancy, tenancy_admin, suspensions, ledger, prompts, claim, relay,
                                        chat_service, stored_completions,
                                        responses_service,
-                                       ConversationService(conversation_store, pending), admission)
+                                       conversations_service, admission)
         log.info("gateway ready", extra={"instance": settings.gateway.instance_id, "gateway_id": claim.gateway_id,
                                          "reply_partition": reply_partition})
         gc_pauses.freeze_startup()

@@ -3,23 +3,46 @@
 Turns are appended by the conversation writer from the log (``stream_processors/store``), never here: a gateway
 creates a conversation (with its initial items) and reads. Everything is within the caller's org: another org's
 id is answered as unknown (404), as is a deleted one, at once.
+
+Writes that keep something are admitted and bounded (issue 37 H3): a create and a metadata update are requests of
+the key's and the org's rate limits (one request each, no tokens: ``Admission``, before the body is even parsed),
+each item of a create holds at most ``gateway.conversation_item_max_chars``, and what the org's conversations keep
+stays within its tier's ``conversation_storage_bytes`` (counted by the store). They are not billed: a
+conversation's items are billed as prompt tokens when a turn uses them, as OpenAI's; storage is bounded by the
+quota instead of priced. Conversations have no TTL, as OpenAI's: the quota alone bounds them, and no conversation
+a client returns to after months is lost.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from datetime import UTC
 from typing import Any, TypeVar
 
-from producers.gateway.errors import ApiError, unavailable
+from producers.gateway.admission import Admission
+from producers.gateway.errors import ApiError, bad_request, unavailable
 from producers.gateway.pending_writes import PendingWrites
 from producers.gateway.responses_protocol import ConversationCreate
 from producers.gateway.stored import STORE_ERRORS, list_page
 from producers.gateway.turns import conversation_not_found
 from producers.tenancy.view import ApiKey
+from runtime.settings import TierTable
 from schemas.events import utcnow
 from schemas.ids import CONVERSATION_PREFIX, ITEM_PREFIX, input_item_id, new_conversation_id, plausible
-from stream_processors.store.conversations import Conversation, ConversationNotFound, ConversationStore, Item
+from stream_processors.store.conversations import (
+    PURGE_AFTER_S,
+    Conversation,
+    ConversationNotFound,
+    ConversationStore,
+    Item,
+    conversation_bytes,
+    item_bytes,
+)
+
+#: the most characters an item of a created conversation holds unless the gateway's settings say otherwise
+ITEM_MAX_CHARS = 32_768
 
 
 def item_not_found(item_id: str) -> ApiError:
@@ -38,28 +61,77 @@ async def _stored(reading: Awaitable[T]) -> T:
 
 
 class ConversationService:
-    def __init__(self, store: ConversationStore, pending: PendingWrites | None = None) -> None:
+    def __init__(self, store: ConversationStore, pending: PendingWrites | None = None, *,
+                 admission: Admission | None = None, tiers: TierTable | None = None,
+                 item_max_chars: int = ITEM_MAX_CHARS) -> None:
         self._store = store
         self._pending = pending
+        #: None: writes are not rate-limited (tests of other concerns), or not held to a storage quota
+        self._admission = admission
+        self._tiers = tiers
+        self._item_max_chars = item_max_chars
 
-    async def create(self, body: ConversationCreate, key: ApiKey) -> dict[str, Any]:
+    async def create(self, body: Callable[[], ConversationCreate], key: ApiKey) -> dict[str, Any]:
+        """``body`` parses the request's body: only once the write is admitted (a throttled key's megabyte is not
+        parsed)."""
         conversation_id = new_conversation_id()
-        at = utcnow()
-        conversation = Conversation(conversation_id, key.org_id, at, body.metadata or {})
-        items = [Item(input_item_id(conversation_id, i), m.role, m.text(), at, i)
-                 for i, m in enumerate(body.items or [])]
-        await _stored(self._store.create(conversation, items))
+        async with self._admitted(key):
+            parsed = body()
+            at = utcnow()
+            conversation = Conversation(conversation_id, key.org_id, at, parsed.metadata or {})
+            items = [Item(input_item_id(conversation_id, i), m.role, m.text(), at, i)
+                     for i, m in enumerate(parsed.items or [])]
+            self._check_items(items)
+            await self._within_quota(key, conversation_bytes(conversation.metadata) + sum(map(item_bytes, items)))
+            await _stored(self._store.create(conversation, items))
         return conversation_object(conversation)
 
     async def get(self, conversation_id: str, key: ApiKey) -> dict[str, Any]:
         return conversation_object(await self._conversation(conversation_id, key))
 
-    async def update(self, conversation_id: str, metadata: dict[str, str], key: ApiKey) -> dict[str, Any]:
+    async def update(self, conversation_id: str, metadata: Callable[[], dict[str, str]], key: ApiKey
+                     ) -> dict[str, Any]:
+        """``metadata`` parses the request's body, once the write is admitted."""
         self._check(conversation_id)
-        updated = await _stored(self._store.update_metadata(conversation_id, key.org_id, metadata))
+        async with self._admitted(key):
+            replacing = metadata()
+            current = await self._conversation(conversation_id, key)
+            await self._within_quota(key, conversation_bytes(replacing) - conversation_bytes(current.metadata))
+            updated = await _stored(self._store.update_metadata(conversation_id, key.org_id, replacing))
         if updated is None:
             raise conversation_not_found(conversation_id, "conversation_id")
         return conversation_object(updated)
+
+    @asynccontextmanager
+    async def _admitted(self, key: ApiKey) -> AsyncIterator[None]:
+        """A write, as one request of the key's and the org's limits (requests per minute, in flight); no tokens,
+        nothing to generate or settle."""
+        if self._admission is None:
+            yield
+            return
+        ticket = await self._admission.admit(f"write_{uuid.uuid4().hex}", 0, key)
+        try:
+            yield
+        finally:
+            await self._admission.unsent(ticket, certain=True)  # its slot free, its reservation (of 0) gone
+
+    def _check_items(self, items: list[Item]) -> None:
+        for item in items:
+            if len(item.text) > self._item_max_chars:
+                raise bad_request(f"Invalid 'items[{item.seq}].content': string too long. Expected a string with "
+                                  f"maximum length {self._item_max_chars}, but got a string with length "
+                                  f"{len(item.text)} instead.", param=f"items[{item.seq}].content",
+                                  code="string_above_max_length")
+
+    async def _within_quota(self, key: ApiKey, adding: int) -> None:
+        """429 ``insufficient_quota`` when ``adding`` bytes would take the org's conversations past its tier's
+        storage quota (nothing is refused that keeps less)."""
+        if self._tiers is None or adding <= 0:
+            return
+        quota = self._tiers.policy(key.tier).conversation_storage_bytes
+        used = await _stored(self._store.storage_used(key.org_id))
+        if used + adding > quota:
+            raise storage_quota_exceeded(key, used, quota, adding)
 
     async def delete(self, conversation_id: str, key: ApiKey) -> dict[str, Any]:
         self._check(conversation_id)
@@ -124,6 +196,15 @@ class ConversationService:
     def _check(conversation_id: str) -> None:
         if not plausible(conversation_id, CONVERSATION_PREFIX):
             raise conversation_not_found(conversation_id, "conversation_id")
+
+
+def storage_quota_exceeded(key: ApiKey, used: int, quota: int, adding: int) -> ApiError:
+    """As OpenAI answers a spent quota (429 ``insufficient_quota``, no Retry-After: waiting does not help)."""
+    return ApiError(429, f"You exceeded your conversation storage quota: organization {key.org_id}'s conversations "
+                         f"keep {used} bytes of its {quota}, and this request would add {adding}. Delete "
+                         "conversations you no longer need (a deleted conversation's storage is given back when it "
+                         f"is purged, {PURGE_AFTER_S // 86_400} days after its delete), or ask for a higher tier.",
+                    type="insufficient_quota", code="storage_quota_exceeded")
 
 
 def conversation_object(conversation: Conversation) -> dict[str, Any]:

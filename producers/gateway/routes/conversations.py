@@ -20,6 +20,10 @@ _ERRORS = error_responses({400: "A malformed body or parameter.", 401: "No API k
                            404: "No such conversation or item in your organization (unknown or deleted), or an "
                                 "`after` cursor that is not one.",
                            503: "Conversations are unavailable right now."})
+#: creates and metadata updates are requests of the key's limits and keep storage within the org's quota
+_WRITES = error_responses({429: "A rate limit of the key or its organization was reached (`rate_limit_exceeded`, "
+                                "with `Retry-After`), or the organization's conversation storage quota is used "
+                                "(`insufficient_quota`: delete conversations; waiting does not help)."})
 Limit = Query(default=20, ge=1, le=100)
 After = Query(default=None, min_length=1, max_length=256)
 
@@ -28,10 +32,11 @@ def _body(model: type[Any]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": openapi_schema(model)}}}}
 
 
-@router.post("/v1/conversations", responses=_ERRORS, openapi_extra=_body(ConversationCreate))
+@router.post("/v1/conversations", responses={**_ERRORS, **_WRITES}, openapi_extra=_body(ConversationCreate))
 async def create_conversation(request: Request, ctx: Context, key: Caller) -> dict[str, Any]:
     raw = await request.body()
-    return await ctx.conversations.create(parse_json(raw or b"{}", ConversationCreate), key)
+    # Parsed once admitted: a throttled key's body costs the gateway nothing
+    return await ctx.conversations.create(lambda: parse_json(raw or b"{}", ConversationCreate), key)
 
 
 @router.get("/v1/conversations", responses=_ERRORS)
@@ -46,10 +51,11 @@ async def get_conversation(conversation_id: str, ctx: Context, key: Caller) -> d
     return await ctx.conversations.get(conversation_id, key)
 
 
-@router.post("/v1/conversations/{conversation_id}", responses=_ERRORS, openapi_extra=_body(ConversationUpdate))
+@router.post("/v1/conversations/{conversation_id}", responses={**_ERRORS, **_WRITES},
+             openapi_extra=_body(ConversationUpdate))
 async def update_conversation(conversation_id: str, request: Request, ctx: Context, key: Caller) -> dict[str, Any]:
-    body = parse_json(await request.body(), ConversationUpdate)
-    return await ctx.conversations.update(conversation_id, body.metadata, key)
+    raw = await request.body()
+    return await ctx.conversations.update(conversation_id, lambda: parse_json(raw, ConversationUpdate).metadata, key)
 
 
 @router.delete("/v1/conversations/{conversation_id}", responses=_ERRORS)
