@@ -126,7 +126,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         responses_service = ResponsesService(chat_service, prompts, turns, response_store, publisher, pending)
         stack.callback(responses_service.stop)
         stored_completions = StoredCompletions(await CompletionStore.open(session, settings.cassandra.keyspace),
-                                               pending)
+                                               pending, forget_stream=chat_service.forget_stream)
         conversations_service = ConversationService(
             conversation_store, pending, admission=admission, tiers=tenancy_settings.tiers,
             item_max_chars=settings.gateway.conversation_item_max_chars)

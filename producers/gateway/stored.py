@@ -1,11 +1,13 @@
 """Stored chat completions (``store: true``): retrieve, its messages, list, delete, in OpenAI's shapes.
 
 The store processor writes them from the log (``stream_processors/store``); this use case only reads and deletes,
-through :class:`CompletionStore`, always within the caller's org: another org's id is answered as unknown.
+through :class:`CompletionStore`, always within the caller's org: another org's id is answered as unknown. A delete
+forgets the completion's stream too: no gateway replays what was deleted (issue 37 L1).
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from datetime import UTC
 from typing import Any
 
@@ -27,10 +29,16 @@ def not_found(completion_id: str) -> ApiError:
                     code="not_found")
 
 
+#: makes a stream unresumable on every gateway (``ChatService.forget_stream``; 503 when it cannot)
+ForgetStream = Callable[[str], Awaitable[None]]
+
+
 class StoredCompletions:
-    def __init__(self, store: CompletionStore, pending: PendingWrites | None = None) -> None:
+    def __init__(self, store: CompletionStore, pending: PendingWrites | None = None, *,
+                 forget_stream: ForgetStream | None = None) -> None:
         self._store = store
         self._pending = pending
+        self._forget_stream = forget_stream
 
     async def _row(self, completion_id: str, org_id: str) -> dict[str, Any]:
         try:
@@ -94,6 +102,9 @@ class StoredCompletions:
             raise unavailable("Stored completions are unavailable right now; retry later.") from exc
         if not deleted:
             raise not_found(completion_id)
+        # Unreadable at once everywhere: its stream, still resumable from the log for a while, no longer is
+        if self._forget_stream is not None:
+            await self._forget_stream(completion_id)
         return {"object": "chat.completion.deleted", "id": completion_id, "deleted": True}
 
 
