@@ -22,6 +22,7 @@ from producers.gateway.routes.usage import usage as usage_route
 from runtime.cassandra_client import connect_async
 from runtime.settings import Settings
 from schemas.events import UsageEvent
+from tests.fakes.tenancy import api_key, local_admission
 
 pytestmark = pytest.mark.integration
 #: three days from midnight; each test seeds an org of its own
@@ -145,9 +146,21 @@ async def test_a_usage_report_reads_only_the_ledger_rows_of_the_hours_its_range_
 
     monkeypatch.setattr(ledger_module, "execute", counting_execute)
     monkeypatch.setattr(ledger_module, "pages", counting_pages, raising=False)
-    body = await usage_route(SimpleNamespace(ledger=ledger), SimpleNamespace(org_id=org),  # type: ignore[arg-type]
+    ctx = SimpleNamespace(ledger=ledger, admission=local_admission())
+    body = await usage_route(ctx, api_key(org_id=org),  # type: ignore[arg-type]
                              start=start.isoformat(), end=end.isoformat(), group_by="model")
     in_range = [r for r in rows if start <= r.requested_at < end]
     assert body["total"]["requests"] == len(in_range)
     cut = [r for r in in_range if r.hour in (start.replace(minute=0), end.replace(minute=0))]
     assert sum(read) == len(cut), f"{sum(read)} ledger rows read for a range of {len(in_range)}"
+
+
+async def test_small_pages_give_the_same_answer(ledger: Ledger, seeded: tuple[str, list[LedgerRow]],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every read pages (``runtime.cassandra_client.pages``): with pages of three rows, each query takes several."""
+    org, _ = seeded
+    start, end = RANGES[1]
+    whole_pages = await ledger.usage(org, start, end, _by_day)
+    monkeypatch.setattr(ledger_module, "PAGE_ROWS", 3)
+    assert await ledger.usage(org, start, end, _by_day) == whole_pages == await _from_rows(ledger, org, start, end,
+                                                                                           _by_day)
