@@ -26,29 +26,52 @@ log = logging.getLogger(__name__)
 
 class RecentControls:
     """Bounded memory of control events by request id, for requests not started here yet: a cancel that came while
-    the request waited in the backlog, and the client connections a takeover inherits (attached, detached)."""
+    the request waited in the backlog, and the client connections a takeover inherits. Per request it keeps the
+    latest stop and each connection's latest event (attached, or detached with its report): however often a client
+    drops and resumes, what a takeover needs stays, in the order the connections last changed."""
 
-    #: events kept per request: a stream resumed and dropped more often than this keeps its latest ones
+    #: connections remembered per request (the oldest forgotten first): far more than a client resumes in a window
     PER_REQUEST = 64
 
     def __init__(self, capacity: int = 50_000) -> None:
-        self._events: OrderedDict[str, list[ControlEvent]] = OrderedDict()
+        self._events: OrderedDict[str, _Remembered] = OrderedDict()
         self._capacity = capacity
 
     def remember(self, event: ControlEvent) -> None:
-        events = self._events.setdefault(event.request_id, [])
-        events.append(event)
-        del events[:-self.PER_REQUEST]
+        remembered = self._events.get(event.request_id)
+        if remembered is None:
+            remembered = self._events[event.request_id] = _Remembered()
+        if event.stops:
+            remembered.stop = event
+        if event.attachment is not None or not event.stops:
+            name = event.attachment or f"@{event.issued_by}"
+            remembered.connections.pop(name, None)
+            remembered.connections[name] = event
+            while len(remembered.connections) > self.PER_REQUEST:
+                remembered.connections.pop(next(iter(remembered.connections)))
+        elif event.delivered_tokens is not None:  # a v2 gateway's cancel: its connection ended
+            remembered.connections[f"@{event.issued_by}"] = event
         self._events.move_to_end(event.request_id)
         while len(self._events) > self._capacity:
             self._events.popitem(last=False)
 
     def stop(self, request_id: str) -> ControlEvent | None:
         """The latest cancel or halt of the request, if any."""
-        return next((e for e in reversed(self._events.get(request_id, ())) if e.stops), None)
+        remembered = self._events.get(request_id)
+        return remembered.stop if remembered is not None else None
 
     def history(self, request_id: str) -> list[ControlEvent]:
-        return list(self._events.get(request_id, ()))
+        """Each connection's latest event, in the order they last changed (a cancel naming one counts as its end)."""
+        remembered = self._events.get(request_id)
+        return list(remembered.connections.values()) if remembered is not None else []
+
+
+class _Remembered:
+    __slots__ = ("connections", "stop")
+
+    def __init__(self) -> None:
+        self.stop: ControlEvent | None = None
+        self.connections: dict[str, ControlEvent] = {}
 
 
 class ControlListener:

@@ -19,9 +19,11 @@ A request whose queue deadline passed before it started is not generated and not
 ``queue_deadline_exceeded``.
 
 While no client connection is attached to a stream (its client dropped and has not resumed yet, or its gateway
-died), the engine goes on but its output is *held* here, not emitted: a client that resumes within the window gets
-it at once (the next engine step emits it with the new tokens), and one that never comes back never finds it in
-the log, so what nobody received is neither billed nor retrievable for free later.
+died), its generation is *suspended*: the engine forgets it (what it had produced but not emitted is dropped) and
+the job waits, out of the engine's batch, for a client to come back within the window; then it continues from what
+it emitted, one prefill (``resume.py``, as a takeover does). Nothing is generated for nobody but what was in flight
+when the worker learned of the drop, and everything a generation emitted is in the log, for any client of the
+stream to read: it is what a stopped generation is billed (``listeners.py``).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ from runtime.metrics import (
     WORKER_FINISHED,
     WORKER_IN_FLIGHT,
     WORKER_SKIPPED,
+    WORKER_SUSPENDED,
     WORKER_TAKEOVERS,
     WORKER_TOKENS_OUT,
     WORKER_TTFT,
@@ -135,9 +138,11 @@ class Job:
     received_cap: int | None = None
     #: the client connections of its stream, from the control topic and the presence check
     listeners: Listeners = field(default_factory=lambda: Listeners.of(""))
-    #: output generated while no connection was attached, not emitted yet (emitted when a client comes back)
-    held_ids: list[int] = field(default_factory=list)
-    held_text: list[str] = field(default_factory=list)
+    #: every token emitted so far (earlier attempts' included) and its text: where a suspended generation continues
+    emitted_ids: list[int] = field(default_factory=list)
+    emitted_text: list[str] = field(default_factory=list)
+    #: set while the generation is suspended (no client attached); set again when one is
+    attended: asyncio.Event | None = None
     #: generation is over and its outcome being committed: aborting it now would only lose the commit
     finalizing: bool = False
     #: the completion's text so far, earlier attempts' included (kept only when it is stored or a turn recorded)
@@ -150,7 +155,11 @@ class Job:
                 "max_tokens": self.request.sampling.max_tokens, "partition": self.source.partition,
                 "offset": self.offset, "aborting": self.abort_cause, "takeover": self.takeover,
                 "gateway": self.request.reply.gateway_id, "attended": self.listeners.live,
-                "held": len(self.held_ids)}
+                "suspended": self.suspended}
+
+    @property
+    def suspended(self) -> bool:
+        return self.attended is not None and not self.attended.is_set()
 
 
 @dataclass
@@ -223,7 +232,8 @@ class Intake:
     # --- admission ------------------------------------------------------------------------------------
 
     def capacity(self) -> int:
-        return self._max - len(self.jobs)
+        # A suspended generation is out of the engine's batch: its room is the engine's again meanwhile
+        return self._max - sum(1 for job in self.jobs.values() if not job.suspended)
 
     async def handle(self, request: ChatRequest, record: ConsumerRecord[bytes, bytes]) -> None:
         """Called by the consumer loop for each request record, in partition order."""
@@ -280,7 +290,7 @@ class Intake:
             # Cancelled while it waited in the backlog (or for its claim): commit it as such, the engine forgets it.
             await _dropped(head)
             job.abort_cause = _cause(early)
-            job.received_cap = job.listeners.received_cap()
+            job.received_cap = job.listeners.received_cap(job.tokens)
         elif not job.takeover:
             job.head = head
         self.jobs[request.request_id] = job
@@ -376,7 +386,7 @@ class Intake:
             return
         job.listeners.apply(event)
         if not event.stops:
-            job.listeners.note(self.clock())
+            self.listeners_changed(job)
             log.info("client connection changed", extra={"request_id": event.request_id, "action": event.action.value,
                                                           "attachment": event.attachment,
                                                           "attended": job.listeners.live})
@@ -384,8 +394,16 @@ class Intake:
         log.info("aborting on control event", extra={"request_id": event.request_id,
                                                       "action": event.action.value, "reason": event.reason})
         if job.abort_cause is None:
-            job.received_cap = job.listeners.received_cap()
+            job.received_cap = job.listeners.received_cap(job.tokens)
         self._abort(job, _cause(event))
+
+    def listeners_changed(self, job: Job, now: float | None = None) -> None:
+        """The connections as they now stand (the control topic, or a presence check at ``now``): start or stop the
+        unattended clock, and let a suspended generation go on once a client is attached again."""
+        job.listeners.note(self.clock() if now is None else now)
+        if job.listeners.live and job.attended is not None and not job.attended.is_set():
+            job.attended.set()
+            self.room_freed.set()
 
     def cancel_unattended(self, request_id: str) -> bool:
         """No client connection has been attached to this stream for its window: stop generating it, billed for the
@@ -394,7 +412,7 @@ class Intake:
         if job is None or job.listeners.live:
             return False
         if job.abort_cause is None:
-            job.received_cap = job.listeners.received_cap()
+            job.received_cap = job.listeners.received_cap(job.tokens)
         self._abort(job, "unattended")
         return True
 
@@ -519,6 +537,7 @@ class Intake:
     @staticmethod
     def _took_over(job: Job, prefix: EmittedPrefix) -> None:
         job.prefix, job.tokens, job.ran = prefix, prefix.tokens, prefix.tokens > 0
+        job.emitted_ids, job.emitted_text = list(prefix.token_ids), [prefix.text]
         # What earlier attempts emitted was relayed by some gateway, or is resumable: a later unattended cancel
         # bills at least that (a new Job knows nothing of the presence checks of the attempts before it).
         job.listeners.took_over(prefix.tokens)
@@ -549,36 +568,58 @@ class Intake:
                 delay = min(delay * 2, 5.0)
 
     async def _stream(self, job: Job) -> Outcome:
+        while True:
+            outcome = await self._generate_attended(job)
+            if outcome is not None:
+                return outcome
+            await self._suspend(job)
+
+    async def _generate_attended(self, job: Job) -> Outcome | None:
+        """Generate while some client is attached; None once none is (the engine has forgotten the request)."""
         request = job.request
         steps = plan(request, job.prefix)
         replay = ReplayFilter(steps.replay) if steps.replay.tokens else None
         job.ran = True
         output = (job.head.deltas() if job.head is not None else
                   self._engine_deltas(request, job.source, job.attempt, job.prefix))
+        job.head = None  # read once: a generation that goes on after a suspension starts anew
         # NOTE: closed on every exit, so the engine aborts the request at once (not when the generator is collected).
         async with contextlib.aclosing(output) as deltas:
             return await self._relay_deltas(job, deltas, replay)
 
+    async def _suspend(self, job: Job) -> None:
+        """Nobody is attached: wait out of the engine for a client to come back (a cancel, the window's end or a
+        revocation ends the wait by cancelling this task); then continue from what was emitted."""
+        job.attended = asyncio.Event()
+        self.room_freed.set()  # its room in the engine's batch is free while it waits
+        WORKER_SUSPENDED.inc()
+        log.info("no client attached: generation suspended", extra={"tokens": job.tokens})
+        try:
+            await job.attended.wait()
+        finally:
+            job.attended = None
+            WORKER_SUSPENDED.dec()
+        job.prefix = EmittedPrefix(list(job.emitted_ids), "".join(job.emitted_text), job.attempt)
+        log.info("a client is attached again: generation goes on", extra={"tokens": job.tokens})
+
     async def _relay_deltas(self, job: Job, deltas: AsyncGenerator[EngineDelta, None], replay: ReplayFilter | None
-                            ) -> Outcome:
+                            ) -> Outcome | None:
+        """Emit what the engine gives; the outcome when it ends, None when no client is attached any more."""
         request = job.request
         cached = 0
         async for delta in deltas:
-            if job.seq == 0 and job.tokens == job.prefix.tokens:
-                WORKER_TTFT.observe(time.perf_counter() - job.admitted_at)
             cached = delta.cached_tokens
             ids, text = replay.feed(delta.token_ids, delta.text) if replay else (delta.token_ids, delta.text)
+            if not job.listeners.live and not request.background:
+                # Nobody to receive it: not emitted (its generation goes on from the log's end when a client is back)
+                WORKER_UNATTENDED_TOKENS.inc(len(ids))
+                return None
             if delta.finish_reason is not None:
-                # A finished answer is emitted whole, held output included: it stays resumable, and is billed
-                ids, text = self._unhold(job, ids, text)
                 return Outcome(delta.finish_reason, ids, text, cached_tokens=cached)
             if not ids and not text:
                 continue
-            if not job.listeners.live and not request.background:
-                job.held_ids += ids  # nobody attached: held until a client comes back (or dropped with the window)
-                job.held_text.append(text)
-                continue
-            ids, text = self._unhold(job, ids, text)
+            if job.seq == 0 and job.tokens == job.prefix.tokens:  # this attempt's first emission, once
+                WORKER_TTFT.observe(time.perf_counter() - job.admitted_at)
             out = self._delta(job, ids, text)  # raises here, in this request's own task, on what is not a delta
             ids, text = out.token_ids, out.text
             delivery = await self._sink.emit(out, request.reply.partition, job.traceparent)
@@ -588,20 +629,12 @@ class Intake:
             job.seq += 1
             job.last_delivery = delivery
             job.tokens += len(ids)
+            job.emitted_ids += ids
+            job.emitted_text.append(text)
             if request.keeps_record:
                 job.text_parts.append(text)
         return Outcome("error", [], "", "the engine ended the stream without a finish reason",
                        ErrorCode.GENERATION_FAILED.value)
-
-    @staticmethod
-    def _unhold(job: Job, ids: list[int], text: str) -> tuple[list[int], str]:
-        """Output held while nobody was attached, ahead of ``ids``: a client is back (or the answer is finished)."""
-        if not job.held_ids and not job.held_text:
-            return ids, text
-        WORKER_UNATTENDED_TOKENS.labels(fate="resumed").inc(len(job.held_ids))
-        ids, text = [*job.held_ids, *ids], "".join(job.held_text) + text
-        job.held_ids, job.held_text = [], []
-        return ids, text
 
     def _delivered(self, job: Job, token_offset: int, first: bool, delivery: Delivery) -> None:
         job.in_flight.discard(delivery)
@@ -638,18 +671,13 @@ class Intake:
     async def _finalize(self, job: Job, outcome: Outcome) -> None:
         request = job.request
         job.finalizing = True
-        if job.held_ids:
-            # Stopped while nobody was attached: what was held reached nobody, and is neither billed nor in the log
-            WORKER_UNATTENDED_TOKENS.labels(fate="wasted").inc(len(job.held_ids))
-            job.held_ids, job.held_text = [], []
         if job.in_flight:
             # Every delta acknowledged (or failed) first: what the client can have decides the final and the bill.
             # ``wait``, not ``gather``: a cancelled gather cancels what it waits for, and a delivery future is
             # shared by every request whose delta its record carries (token_sink.py).
             await asyncio.wait(set(job.in_flight))
-        # Billed for what its client received: a hang-up's tokens in flight are not, and tokens a stalled
-        # predecessor sent after this takeover read the log are (nobody else bills them). A delivery failing after
-        # the hang-up changes nothing for a client that is gone.
+        # A stopped generation is billed by the rule of ``listeners.py`` (decided when it was stopped); a finished one
+        # whole.
         received = job.received_cap if outcome.finish_reason == "cancelled" else None
         if job.undelivered_from is not None and received is None:
             # The client cannot have more than what reached its gateway: bill that, end the stream in error.
@@ -657,7 +685,7 @@ class Intake:
                               ErrorCode.TOKEN_DELIVERY_FAILED.value, outcome.cached_tokens)
         completion = job.tokens + len(outcome.final_ids)
         if job.undelivered_from is not None:
-            # A gateway's count came from the log (never above it); an unattended cap counts what was emitted.
+            # What the log holds is the most any client can have (a gateway's count came from it too)
             landed = await self._landed(job)
             completion = landed if received is None else min(received, landed)
         elif received is not None:

@@ -7,17 +7,24 @@ keep generating for a client to come back (the resume window of its tier); a can
 if any. The worker's presence check adds what the log cannot say: whether each attached connection's gateway
 process is still alive (a dead gateway detaches nothing), and how many tokens were out when it last was.
 
+While no connection is attached, the worker suspends the generation (``intake.py``): nothing more is generated for
+nobody, only what was in flight when the worker learned of it (a drop's DETACH takes milliseconds; a dead gateway
+is found within its liveness TTL plus a presence check).
+
 The billing rule of a generation that stops before its end (cancelled, halted, or unattended past its window),
 whoever stops it and from whichever gateway (:meth:`Listeners.received_cap`):
 
-* while some connection is attached to a live gateway, every token emitted reaches a client (the relay delivers
-  every delta before the final event): everything emitted is billed;
-* otherwise the most any connection received: its own report when it detached, or, for a connection whose gateway
-  died, what was emitted when that gateway was last seen alive.
+* while a connection is attached to a live gateway: every token emitted (the relay delivers every delta before the
+  final: that connection receives them all);
+* else the most any connection bills: one whose client dropped it (or whose gateway ended it) every token emitted,
+  which is what the log holds for any client of the stream to read for the resume TTL (beyond what that client
+  read: only what was in flight when it dropped), and at least what it reported receiving (a stalled
+  predecessor's tokens may have reached it); one whose gateway died, what was emitted while that gateway was last
+  seen alive (a crash of ours is not the client's to pay: the tokens emitted between the crash and its discovery,
+  at most the gateway's liveness TTL plus a presence check, are not billed and stay readable).
 
-So no cancel, from any gateway, lowers the bill below what some gateway delivered to a client of the stream, and
-tokens generated while nobody was attached and never received are not billed (their cost is the platform's,
-bounded by the window, and counted by ``kns_worker_unattended_tokens_total``).
+A finished answer is billed whole. So no cancel, from any gateway, lowers the bill below what some gateway delivered
+to a client of the stream, and a client that drops its connection cannot read later what it is not billed for.
 """
 
 from __future__ import annotations
@@ -42,9 +49,14 @@ class Connection:
     def live(self) -> bool:
         return not self.detached and self.gateway_alive
 
-    def received(self) -> int:
-        """The most its client can have received."""
-        return self.reported if self.reported is not None else self.seen_tokens
+    def billed(self, emitted: int) -> int:
+        """What a stop bills for this connection: everything emitted once it ended (its client dropped, or its gateway
+        ended it: the log holds it for any client of the stream, and what was in flight then is milliseconds' worth),
+        at least what it reported; for one whose gateway died, what was emitted while that gateway was last seen
+        alive (a crash of ours is not the client's to pay)."""
+        if self.detached:
+            return max(emitted, self.reported or 0)
+        return self.seen_tokens
 
 
 @dataclass
@@ -68,7 +80,8 @@ class Listeners:
         if name is None and event.action is ControlAction.CANCEL and event.delivered_tokens is not None:
             # A gateway of before v3 ended its connection: the accepting one's, or a resume of its own
             origin = self.connections.get(ORIGIN_ATTACHMENT)
-            ours = origin is not None and origin.gateway_id.split("/")[0] == event.issued_by.split("/")[0]
+            # A v2 gateway said its instance id; the origin is named instance/incarnation (of one process of a fleet)
+            ours = origin is not None and event.issued_by in (origin.gateway_id, origin.gateway_id.rsplit("/", 1)[0])
             name = ORIGIN_ATTACHMENT if ours else f"@{event.issued_by}"
         if name is None or event.action not in (ControlAction.ATTACH, ControlAction.DETACH, ControlAction.CANCEL):
             return
@@ -117,8 +130,9 @@ class Listeners:
         window = self.window_s if self.window_s is not None else default_window_s
         return self.unattended_since is not None and now - self.unattended_since >= window
 
-    def received_cap(self) -> int | None:
-        """What a generation stopped now is billed (the module's rule): None for everything emitted."""
+    def received_cap(self, emitted: int) -> int | None:
+        """What a generation stopped now, having emitted ``emitted`` completion tokens, is billed (the module's rule):
+        None while a connection is attached (everything emitted reaches it), else the most any connection bills."""
         if self.live:
             return None
-        return max((c.received() for c in self.connections.values()), default=0)
+        return max((c.billed(emitted) for c in self.connections.values()), default=0)

@@ -7,7 +7,8 @@ Redis (renewed with its reply-partition lease, see ``producers/relay/claim.py``)
 looks up the gateways of the connections still attached to what it generates; a connection whose gateway is gone
 counts as detached, having received what was emitted when its gateway was last seen. A stream with no connection
 attached for its window (the detaching client's tier's resume window, or ``grace_s`` when its gateway died) is
-cancelled and billed by the rule in ``listeners.py``. When Redis cannot be asked, nothing is cancelled on a guess.
+cancelled and billed by the rule in ``listeners.py``. When Redis cannot be asked, no gateway is taken for dead on a
+guess, but a stream every connection of which detached still has its window end.
 A background response is never cancelled so: it is generated to its end.
 
 Only gateway ids of the form ``instance/incarnation`` announce themselves (older gateways did not): others are
@@ -54,13 +55,14 @@ class GatewayPresence:
         jobs = [j for j in self._intake.jobs.values() if not j.request.background]
         gateways = {g for j in jobs for g in j.listeners.attached_gateways() if announces_liveness(g)}
         try:
-            alive = await self._alive(gateways) if gateways else {}
+            alive: dict[str, bool] | None = await self._alive(gateways) if gateways else {}
         except (RedisError, OSError, TimeoutError):
-            return  # unknown is not gone
+            alive = None  # unknown is not gone: only the streams nobody is attached to are judged
         now = self._clock()
         for job in jobs:
-            job.listeners.seen(alive, job.tokens)
-            job.listeners.note(now)
+            if alive is not None:
+                job.listeners.seen(alive, job.tokens)
+            self._intake.listeners_changed(job, now)
             request_id = job.request.request_id
             if job.listeners.expired(now, self._grace) and self._intake.cancel_unattended(request_id):
                 log.warning("no client connection attached to this stream for its window; cancelled",

@@ -122,8 +122,11 @@ WORKER_TTFT = Histogram(
 WORKER_TOKENS_OUT = Counter("kns_worker_tokens_out_total", "Completion tokens emitted")
 WORKER_UNATTENDED_TOKENS = Counter(
     "kns_worker_unattended_tokens_total",
-    "Completion tokens generated while no client connection was attached to the stream (held by the worker): "
-    "resumed (a client came back within the window and got them) or wasted (nobody did: not billed)", ["fate"])
+    "Completion tokens generated after every client connection of the stream had gone and dropped unsent (the "
+    "generation is suspended then): the work done for nobody")
+WORKER_SUSPENDED = Gauge(
+    "kns_worker_suspended_streams", "Generations suspended because no client connection is attached (waiting for "
+    "one to come back within the resume window)")
 WORKER_TXN = Histogram(
     "kns_worker_finalize_txn_seconds", "Duration of one finalizing Kafka transaction", buckets=_FAST
 )

@@ -529,6 +529,13 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _coherent(self) -> Settings:
         # Settings that cannot work together fail at start-up, with what to change.
+        windows = {"gateway.resume_window_s": self.gateway.resume_window_s, **{
+            f"tenancy.tiers.{name}.resume_window_s": policy.resume_window_s
+            for name, policy in self.tenancy.tiers.policies().items() if policy.resume_window_s is not None}}
+        for name, window in windows.items():
+            if window >= self.gateway.resume_ttl_s:
+                raise ValueError(f"{name} ({window}) must be shorter than gateway.resume_ttl_s "
+                                 f"({self.gateway.resume_ttl_s}): a client must be able to resume within its window")
         if self.worker.unattended_grace_s <= self.gateway.reply_lease_renew_s * 2:
             raise ValueError(f"worker.unattended_grace_s ({self.worker.unattended_grace_s}) must exceed two gateway "
                              f"lease renewals ({self.gateway.reply_lease_renew_s} s each): a Redis restart drops "

@@ -220,8 +220,13 @@ def judge(evidence: Evidence) -> Table:
     table.refused = sum(1 for s in streams if s.refused)
     received = {s.request_id: _received(evidence, s) for s in streams if s.request_id}
     _audit_streams(table, evidence)
-    _audit_log(table, evidence, received)
-    _audit_billing(table, evidence, received)
+    in_log = _audit_log(table, evidence, received)
+    # What a stream is billed: what its client received; for one that did not complete, what the log holds (any
+    # client of the stream may still read it: the billing rule of ``inference_workers/listeners.py``), whose excess
+    # over what it received is the scenario's bounded ``generated_for_nobody``
+    completed = {s.request_id for s in streams if s.completed}
+    billable = {r: got if r in completed else max(got, in_log.get(r, 0)) for r, got in received.items()}
+    _audit_billing(table, evidence, billable)
     if evidence.turns is not None:
         table.turns_checked = evidence.turns.checked
         table.turns_misrecorded = len(evidence.turns.misrecorded)
@@ -272,17 +277,21 @@ def _audit_streams(table: Table, evidence: Evidence) -> None:
     table.resume_gap_s = {k: v for k, v in percentiles(gaps).items() if k in ("p50", "p99")}
 
 
-def _audit_log(table: Table, evidence: Evidence, received: dict[str, int]) -> None:
+def _audit_log(table: Table, evidence: Evidence, received: dict[str, int]) -> dict[str, int]:
+    """The token log's counts; returns the tokens each request has in the log (distinct positions)."""
     fault_us = None if evidence.fault_at is None else int(evidence.fault_at * 1_000_000)
     failed = {s.request_id for s in evidence.streams if s.request_id and not s.completed}
+    in_log: dict[str, int] = {}
     for request_id, events in evidence.tokens.items():
         covered = Counter(e.token_offset + k for e in events for k in range(len(e.token_ids)))
+        in_log[request_id] = len(covered)
         table.tokens_generated_twice += sum(n - 1 for n in covered.values() if n > 1)
         table.taken_over += int(len({e.attempt for e in events}) > 1)
         if fault_us is not None and _spans(events, fault_us):
             table.hit_mid_generation += 1
         if request_id in failed:
             table.generated_for_nobody += max(0, len(covered) - received.get(request_id, 0))
+    return in_log
 
 
 def _spans(events: list[TokenEvent], moment_us: int) -> bool:

@@ -113,9 +113,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         streams = StreamDirectory(redis, settings.redis, ttl_s=settings.gateway.resume_ttl_s)
         conversation_store = await ConversationStore.open(session, settings.cassandra.keyspace)
         response_store = await ResponseStore.open(session, settings.cassandra.keyspace)
-        turns = TurnPlanner(prompts, conversation_store, response_store, redis, settings.redis, settings.gateway,
-                            in_flight=partial(_responding, streams))
         pending = PendingWrites(redis, settings.redis, wait_s=settings.gateway.read_wait_s)
+        turns = TurnPlanner(prompts, conversation_store, response_store, redis, settings.redis, settings.gateway,
+                            in_flight=partial(_responding, streams), pending=pending)
         chat_service = ChatService(settings.gateway, prompts, publisher, relay, reply_partition, claim.gateway_id,
                                    admission=admission, tiers=tenancy_settings.tiers.policies(),
                                    streams=streams, turns=turns, pending=pending)

@@ -236,7 +236,7 @@ class ResponsesService:
     async def cancel(self, response_id: str, key: ApiKey, *, traceparent: str) -> dict[str, Any]:
         stored = await self._row(response_id, key)
         if stored is None:
-            view = await self._running(response_id, key)
+            view = await self._running(response_id, key, stored_only=False)
             if not view.background:
                 # Ours (OpenAI cancels background responses only): a streamed response whose client dropped goes on
                 # for its resume window, and a client that wants it stopped says so here.
@@ -279,13 +279,14 @@ class ResponsesService:
         except STORE_ERRORS as exc:
             raise unavailable("Stored responses are unavailable right now; retry later.") from exc
 
-    async def _running(self, response_id: str, key: ApiKey) -> ResponseView:
-        """A stored response still being generated (its stream record lives); 404 otherwise."""
+    async def _running(self, response_id: str, key: ApiKey, *, stored_only: bool = True) -> ResponseView:
+        """A stored response still being generated (its stream record lives); 404 otherwise. ``stored_only=False``:
+        a ``store: false`` one too (its client may still stop it)."""
         record = await self._chat.stream_record(response_id)
         if record is None or record.org_id != key.org_id or not record.extra:
             raise response_not_found(response_id)
         view = ResponseView.from_json(record.extra)
-        if not view.store:
+        if stored_only and not view.store:
             raise response_not_found(response_id)  # not stored: never readable by id, as OpenAI's
         return view
 

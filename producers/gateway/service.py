@@ -81,6 +81,8 @@ from schemas.events import (
 
 log = logging.getLogger(__name__)
 
+#: why a connection detached when its client's network dropped it (not the gateway's hand-over)
+DROPPED = "client connection dropped"
 #: finish reasons a client may see; anything else from the engine is reported as "stop"
 CLIENT_FINISH_REASONS = {"stop", "length", "content_filter"}
 #: Redis failures while recording or looking up a stream
@@ -110,6 +112,8 @@ class Accepted:
     first_token_at: float | None = None
     last_token_at: float | None = None
     finished: bool = False
+    #: the finish reason of the final event that ended it (``finished``)
+    final_reason: str | None = None
     #: prompt + completion tokens of the worker's final (what it billed)
     used_tokens: int | None = None
     model: str = ""
@@ -321,6 +325,9 @@ class ChatService:
             await self._publisher.attach(request_id, attachment, traceparent)
         except BaseException as exc:
             self._relay.unregister(request_id)
+            # The ATTACH may have landed though its produce failed (a lost ack): its connection must not stay attached
+            self._spawn(self._publish_detach(request_id, attachment, max(client_has, 0), self.resume_window_s(key.tier),
+                                             "the resume failed", traceparent))
             if isinstance(exc, STREAM_STORE_ERRORS):
                 raise unavailable("The stream registry is unavailable; retry the resume.") from exc
             if isinstance(exc, KafkaError):
@@ -419,7 +426,7 @@ class ChatService:
             accepted.last_token_at = now
             GATEWAY_TOKENS_OUT.inc(delta.token_count)
         if delta.from_worker:
-            accepted.finished = True
+            accepted.finished, accepted.final_reason = True, delta.finish_reason
             if delta.usage is not None:
                 accepted.used_tokens = delta.usage.prompt_tokens + delta.usage.completion_tokens
             await self._note_pending_write(accepted, delta)
@@ -547,14 +554,15 @@ class ChatService:
         if dropped or (outcome == "handed_over" and accepted.resume_window_s > 0):
             # The client's connection dropped, or this gateway is stopping: the generation goes on for the window,
             # for the client to resume on any gateway. A task, because this frame is being cancelled.
-            why = "client connection dropped" if dropped else "the gateway is stopping"
+            why = DROPPED if dropped else "the gateway is stopping"
             self._spawn(self._detach(accepted, why))
             return
         if outcome == "handed_over":
             return  # a window of 0: the worker's own grace for a gateway gone applies
-        if not accepted.finished or outcome == "error":
+        if not accepted.finished or (outcome == "error" and accepted.final_reason != "cancelled"):
             # The client is gone (a window of 0, or not streamed), the gateway gave up, or the stream ended in error
-            # (possibly before a worker even started it): no worker may go on generating it.
+            # (possibly before a worker even started it: a pre-filter's at-least-once refusal): no worker may go on
+            # generating it. A stream its worker ended as cancelled needs no second cancel.
             reason = "the stream ended in error" if outcome == "error" else "client disconnected"
             self._spawn(self._cancel(accepted.request_id, reason, accepted.traceparent,
                                      accepted.collector.delivered, accepted.attachment))
@@ -579,15 +587,19 @@ class ChatService:
     async def _detach(self, accepted: Accepted, reason: str) -> None:
         """The worker learns this connection is gone and what its client has; without it (Kafka away), the stream
         counts as attached until this gateway stops, then the worker's grace for a gateway gone applies."""
+        if reason == DROPPED:
+            GATEWAY_DROPPED.inc()  # the client's network, not this gateway's hand-over
+        await self._publish_detach(accepted.request_id, accepted.attachment, accepted.collector.delivered,
+                                   accepted.resume_window_s, reason, accepted.traceparent)
+
+    async def _publish_detach(self, request_id: str, attachment: str, delivered: int, window_s: float, reason: str,
+                              traceparent: str | None) -> None:
         try:
-            await self._publisher.detach(accepted.request_id, accepted.attachment, accepted.collector.delivered,
-                                         accepted.resume_window_s, reason, accepted.traceparent)
-            GATEWAY_DROPPED.inc()
-            log.info("client connection detached", extra={"request_id": accepted.request_id, "reason": reason,
-                                                          "delivered_tokens": accepted.collector.delivered,
-                                                          "window_s": accepted.resume_window_s})
+            await self._publisher.detach(request_id, attachment, delivered, window_s, reason, traceparent)
+            log.info("client connection detached", extra={"request_id": request_id, "reason": reason,
+                                                          "delivered_tokens": delivered, "window_s": window_s})
         except Exception:
-            log.exception("could not produce a detach", extra={"request_id": accepted.request_id})
+            log.exception("could not produce a detach", extra={"request_id": request_id})
 
     async def drain(self) -> None:
         if self._background:
@@ -597,7 +609,7 @@ class ChatService:
 def _appended(outcome: str, delivered_tokens: int) -> bool:
     """Whether a turn that ended so is appended to its conversation (``stream_processors/store/turns.py``), or
     may still be (its generation goes on)."""
-    return (outcome in ("stop", "length", "handed_over", "detached", "dropped")
+    return (outcome in ("stop", "length", "handed_over", "detached")
             or (outcome == "content_filter" and delivered_tokens > 0))
 
 

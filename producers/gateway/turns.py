@@ -9,7 +9,10 @@ and the new input are never dropped; when even they do not fit, the answer is Op
 The conversation writer appends a turn's items from the log (``stream_processors/store``), a moment after its
 answer ends; the next turn of the same conversation waits for them (at most ``gateway.turn_wait_s``). The gateway
 notes each conversation's last accepted turn in Redis, and forgets it when that turn ends without being appended
-(failed, cancelled, refused), so that only a turn still to be written is waited for.
+(failed, cancelled, refused) or its client's connection drops (suspended for its resume window: the user may well
+move on), so that only a turn still to be written is waited for; a dropped turn resumed and answered is waited for
+through its read-your-writes note (``pending_writes.py``), and one answered after the next turn began is appended
+after it.
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from producers.gateway.errors import ApiError, bad_request, unavailable
+from producers.gateway.pending_writes import PendingWrites
 from producers.gateway.prompt import PromptBuilder
 from producers.gateway.stored import STORE_ERRORS
 from runtime.metrics import GATEWAY_TRUNCATED_ITEMS, GATEWAY_TURN_WAITS
@@ -83,8 +88,10 @@ def context_exceeded(limit: int, prompt_tokens: int, reserve: int) -> ApiError:
 class TurnPlanner:
     def __init__(self, prompts: PromptBuilder, conversations: ConversationStore, responses: ResponseStore,
                  redis: Redis, redis_settings: RedisSettings, settings: GatewaySettings, *,
-                 in_flight: Callable[[str, str], Awaitable[bool]]) -> None:
+                 in_flight: Callable[[str, str], Awaitable[bool]], pending: PendingWrites | None = None) -> None:
         self._prompts = prompts
+        #: a turn some gateway relayed to its end a moment ago, the writer not through yet (read-your-writes)
+        self._pending = pending
         self._conversations = conversations
         self._responses = responses
         self._redis = redis
@@ -119,6 +126,9 @@ class TurnPlanner:
             if await self._conversations.get(ask.conversation_id, ask.org_id) is None:
                 raise conversation_not_found(ask.conversation_id, ask.param)
             await self._await_previous_turn(ask.conversation_id, ask.org_id)
+            if self._pending is not None:  # a turn resumed after a drop and answered: its items are on their way
+                await self._pending.turn(ask.conversation_id, partial(self._item_written, ask.conversation_id,
+                                                                      ask.org_id), _readable)
             items = await self._conversations.history(ask.conversation_id, max_items=self.history_bound)
             return [_message(item) for item in items]
         if ask.previous_response_id is not None:
@@ -144,6 +154,9 @@ class TurnPlanner:
                 return
             await asyncio.sleep(POLL_S)
         GATEWAY_TURN_WAITS.labels(outcome="written").inc()
+
+    async def _item_written(self, conversation_id: str, org_id: str, item_id: str) -> bool:
+        return await self._conversations.get_item(conversation_id, org_id, item_id) is not None
 
     async def _ended_unanswered(self, response_id: str, org_id: str) -> bool:
         """A Responses turn whose row says it ended without an answer to append (a chat turn has no row)."""
@@ -233,6 +246,10 @@ class TurnPlanner:
         """A turn that ends without being appended (failed, cancelled, refused): nobody waits for it."""
         with contextlib.suppress(RedisError, OSError):  # else the next turn waits turn_wait_s at most
             await self._redis.eval(_FORGET, 1, self._last_turn_key(conversation_id), request_id)
+
+
+async def _readable() -> None:
+    """The conversation's owner was checked already (``_history``)."""
 
 
 def _message(item: Item) -> ChatMessage:

@@ -226,3 +226,24 @@ def test_with_the_real_model_a_stream_without_a_reference_fails_the_audit() -> N
     table = judge(evidence)
     assert table.streams_unaudited == 1
     assert any(m.startswith("every accepted stream audited") for m in table.missed)
+
+
+def test_an_abandoned_stream_is_billed_what_the_log_holds_within_the_scenarios_bound_and_no_more() -> None:
+    """A client that dropped and never came back is billed what the log holds (``listeners.py``: any client of the
+    stream can read it), a few tokens beyond what it read; more than the log holds is billed for nobody."""
+    drops = Expectation(allowed_failures=frozenset({"abandoned"}), min_completed_share=0.5, min_taken_over=1,
+                        max_generated_for_nobody=2)
+    evidence = healthy(drops)
+    gone = evidence.streams[3]
+    gone.abandoned, gone.done = True, False
+    gone.text = "".join(token_text(int(t)) for t in gone.text.split(" t")[1:11])  # it read 10 of the 20
+    log = evidence.tokens[gone.request_id or ""]
+    evidence.tokens[gone.request_id or ""] = [e for e in log if e.token_offset < 12]  # suspended 2 tokens later
+    evidence.ledger[3] = replace(evidence.ledger[3], completion_tokens=12, finish_reason="cancelled")
+    assert judge(evidence).goals_met, judge(evidence).missed
+    evidence.ledger[3] = replace(evidence.ledger[3], completion_tokens=13)
+    assert any(m.startswith("nobody billed beyond") for m in judge(evidence).missed)
+    evidence.ledger[3] = replace(evidence.ledger[3], completion_tokens=12)
+    evidence.tokens[gone.request_id or ""] = log  # generated to its end for nobody: its window never ended
+    evidence.ledger[3] = replace(evidence.ledger[3], completion_tokens=20)
+    assert any(m.startswith("at most 2 tokens generated for nobody") for m in judge(evidence).missed)

@@ -143,7 +143,7 @@ async def test_a_takeover_of_an_unattended_stream_still_bills_what_its_client_re
     w1.engine.step(req.request_id, 3)
     await pump()
     await first.check()  # the gateway relays it: the client has these 3 tokens
-    assert w1.intake.jobs[req.request_id].listeners.received_cap() is None  # attended: everything is billed
+    assert w1.intake.jobs[req.request_id].listeners.received_cap(3) is None  # attended: everything is billed
 
     redis.alive = set()  # the gateway dies
     await w1.assign()  # then w1 dies: its partition moves, nothing committed

@@ -55,3 +55,12 @@ def test_one_setting_of_one_tier_changes_only_that(monkeypatch: pytest.MonkeyPat
 def test_an_in_flight_lease_shorter_than_the_longest_wait_is_refused_at_start() -> None:
     with pytest.raises(ValidationError, match=r"tenancy\.lease_s"):
         Settings(tenancy={"lease_s": 60.0})  # type: ignore[arg-type]
+
+
+def test_a_resume_window_as_long_as_the_streams_resume_ttl_fails_at_start_up() -> None:
+    """A client dropped near the end of such a window would find its stream record gone: 404 instead of the rest."""
+    with pytest.raises(ValueError, match="resume_window_s"):
+        Settings(gateway={"resume_ttl_s": 60, "resume_window_s": 60})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="tiers.free.resume_window_s"):
+        Settings(tenancy={"tiers": {"free": {"resume_window_s": 900}}})  # type: ignore[arg-type]
+    assert Settings(gateway={"resume_window_s": 0}).gateway.resume_window_s == 0  # type: ignore[arg-type]

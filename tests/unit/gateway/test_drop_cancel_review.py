@@ -144,7 +144,6 @@ class LostAckPublisher(RecordingPublisher):
         raise KafkaTimeoutError()
 
 
-@pytest.mark.xfail(strict=True, reason="review: an ATTACH whose ack was lost is never detached")
 async def test_a_resume_refused_after_its_attach_reached_the_log_detaches_that_connection() -> None:
     """Defect: ``resume`` answers 503 when producing the ATTACH fails (``service.py`` lines 318-324), but a produce
     that reports failure may have landed (a lost ack: what ``_submit`` guards against with a cancel, line 269), and
@@ -199,7 +198,6 @@ async def test_a_client_reconnecting_to_the_same_gateway_before_it_noticed_the_d
 # --- the Responses API: a foreground stream without store cannot be stopped -----------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="review: a store:false streamed response cannot be cancelled")
 async def test_a_streamed_response_without_store_can_be_cancelled() -> None:
     """Defect: ``ResponsesService.cancel`` finds a response still generating through ``_running``, which answers 404
     for ``store: false`` (``responses.py`` line 283), before the new foreground cancel (lines 235-239) is reached; and
@@ -224,7 +222,6 @@ async def test_a_streamed_response_without_store_can_be_cancelled() -> None:
 # --- conversations: a dropped turn holds the next one -----------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="review: the next turn waits turn_wait_s for a dropped turn nobody receives")
 async def test_the_next_turn_does_not_wait_out_turn_wait_s_for_a_turn_whose_client_dropped() -> None:
     """Defect: a dropped turn counts as one that "may still be appended" (``service.py`` ``_appended``, line 581,
     "dropped"), so its conversation's last-turn mark stays, and the next turn waits for its answer item
@@ -250,7 +247,6 @@ async def test_the_next_turn_does_not_wait_out_turn_wait_s_for_a_turn_whose_clie
 # --- metrics ----------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="review: kns_gateway_dropped_connections_total counts the gateway's hand-overs")
 async def test_a_gateway_handing_over_its_streams_counts_no_dropped_client_connection() -> None:
     """Defect: ``_detach`` counts every detach in ``kns_gateway_dropped_connections_total`` (``service.py`` line 566),
     a stopping gateway's hand-over of its open streams too (line 531), though the metric says "Streamed client
@@ -273,7 +269,6 @@ async def test_a_gateway_handing_over_its_streams_counts_no_dropped_client_conne
     assert dropped == 0
 
 
-@pytest.mark.xfail(strict=True, reason="review: a stream that ends cancelled makes its reader produce another cancel")
 async def test_a_stream_its_worker_ended_as_cancelled_produces_no_cancel() -> None:
     """Defect: a final with ``finish_reason: cancelled`` (the explicit cancel's, or a window's seen by a resumer) is not
     a client finish reason, so ``stream`` ends with outcome "error" and ``close`` produces a CANCEL for a generation

@@ -1,13 +1,13 @@
 """Adversarial review of 86f95a9 (issue 36 item 1, issue 37 C1), the worker's side: output held while no client
-connection is attached, the billing rule of ``inference_workers/listeners.py`` and what a takeover inherits from the
-control topic. Each xfail test states a defect, its consequence for a user or a bill, and the code line (line
-numbers as of 86f95a9); it fails on 86f95a9 for that reason."""
+connection was attached, the billing rule of ``inference_workers/listeners.py`` and what a takeover inherits from the
+control topic. Each test states a defect the review found, its consequence for a user or a bill, and the code line
+(line numbers as of 86f95a9); each failed on 86f95a9 for that reason and passes since the generation is suspended
+while nobody is attached and a stopped one is billed what the log holds."""
 
 from __future__ import annotations
 
 import asyncio
 
-import pytest
 from prometheus_client import REGISTRY
 from redis.exceptions import ConnectionError as RedisConnectionError
 
@@ -103,36 +103,40 @@ async def test_a_stream_read_throughout_is_screened_in_every_character_by_the_po
     assert (tokens, missing) == (120, 0)
 
 
-@pytest.mark.xfail(strict=True, reason="review: held output is released as one burst the post-filter cannot screen")
-async def test_output_held_for_a_dropped_client_is_screened_by_the_post_filter_like_any_output() -> None:
-    """Defect: while nobody is attached the worker holds the engine's output and releases it *as one delta* when a
-    client comes back (``intake.py`` ``_unhold``, called at line 581; or in the final, line 573). The post-filter
-    classifies only the last ``post_window_chars`` (320) of each event's text every ``post_stride_tokens``
-    (``stream_processors/safety/policy.py`` ``OutputWindow.add``), and never halts on a final. So everything
-    generated during the drop but its last 320 characters is never screened, and the rest reaches the client at once.
-
-    Consequence: a safety-control bypass any client can trigger: open a stream, drop the connection at once, resume
-    within the window (or after the answer ended, within the 15 min resume TTL): the whole answer arrives unscreened
-    (before 86f95a9 the post-filter halted within 64 tokens)."""
+async def test_output_after_a_dropped_clients_return_is_screened_by_the_post_filter_like_any_output() -> None:
+    """Review finding (fixed): while nobody was attached the worker held the engine's output and released it *as one
+    delta* when a client came back; the post-filter classifies only the last ``post_window_chars`` of each event, so
+    everything generated during the drop but its last 320 characters reached the client unscreened: a safety bypass
+    any client could trigger (drop at once, resume). Now the generation is suspended while nobody is attached and goes
+    on at the engine's pace once a client is back: one delta per step, every character in a screened window."""
     group, worker, req, _presence, _redis, _clock = await generating(max_tokens=120)
     worker.engine.step(req.request_id, 2)
     await emitted(group, req, 2)
     worker.intake.on_control(event(req, ControlAction.DETACH, ORIGIN_ATTACHMENT, "gw/a", delivered=2, window_s=30))
-    worker.engine.step(req.request_id, 100)  # held: nobody attached
-    await pump()
+    worker.engine.step(req.request_id, 1)  # generated after the drop: dropped unsent, the generation suspended
+    await until(lambda: worker.intake.jobs[req.request_id].suspended)
     worker.intake.on_control(event(req, ControlAction.ATTACH, "r1", "gw/b"))  # the client is back
-    worker.engine.step(req.request_id, 18)
+    worker.engine.step(req.request_id, 118)  # the rest, from where the log ends
     await worker.settle()
     tokens, missing = group.log.client_view(req.request_id)[1].tokens, unscreened(group.log.events(req.request_id))
     assert (tokens, missing) == (120, 0)
+    assert all(len(e.token_ids) <= 1 for e in group.log.events(req.request_id))  # no burst
+
+
+async def until(predicate: object, turns: int = 10_000) -> None:
+    for _ in range(turns):
+        if predicate():  # type: ignore[operator]
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the condition never held")
 
 
 # --- billing: an abandoned stream billed in full ---------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="review: an abandoned stream that ends within its window is billed in full")
 async def test_an_abandoned_stream_that_ends_within_its_window_is_billed_what_its_client_received() -> None:
-    """Defect: a generation that ends while nobody is attached emits everything it held in its final and is billed
+    """Fixed (the module docstring says how).
+    The defect: a generation that ends while nobody is attached emits everything it held in its final and is billed
     whole (``intake.py`` lines 571-574, "A finished answer is emitted whole, held output included ... and is
     billed"), though no client came back. 86f95a9 says held output is "never billed nor in the log if nobody comes
     back within the window", and ``kns chaos drop-clients`` (3489e24) expects abandoned streams "billed what they
@@ -157,9 +161,9 @@ async def test_an_abandoned_stream_that_ends_within_its_window_is_billed_what_it
 # --- free tokens: in the log, resumable, not billed ------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="review: tokens emitted before the detach reached the worker are free")
 async def test_every_token_a_late_resume_can_read_is_billed_when_a_dropped_client_never_returns() -> None:
-    """Defect: the worker emits while it still counts the dropped connection as attached: until its DETACH has gone
+    """Fixed (the module docstring says how).
+    The defect: the worker emits while it still counts the dropped connection as attached: until its DETACH has gone
     through the control topic (a lagging topic: seconds). On the window's cancel it bills the connection's report
     (``listeners.py`` line 124 via ``Connection.received``, line 47), not what is in the log; the log keeps those
     tokens, and the stream record lives ``resume_ttl_s`` (900 s), far past the window.
@@ -179,16 +183,14 @@ async def test_every_token_a_late_resume_can_read_is_billed_when_a_dropped_clien
     assert (in_log, billed) == (12, [12])
 
 
-@pytest.mark.xfail(strict=True, reason="review: tokens emitted after a gateway's last live check are free")
-async def test_every_token_a_late_resume_can_read_is_billed_when_a_dead_gateways_client_never_returns() -> None:
-    """Defect: a connection whose gateway died is billed what was emitted "when that gateway was last seen alive"
-    (``listeners.py`` ``Connection.seen_tokens``, set at line 96 only while the liveness key exists); the worker
-    goes on emitting to the log until the check that finds the key gone (``presence_check_s`` later, plus a
-    takeover's first check: a successor assumes every inherited connection alive, line 37, until it looks).
-
-    Consequence: free tokens: the client resumes after the window's cancel, within the resume TTL, and reads from
-    the log tokens never billed (the L2 finding of the security review, narrowed to one check interval, not
-    closed)."""
+async def test_a_dead_gateways_stream_is_billed_what_it_relayed_and_stops_generating_once_its_death_is_found(
+) -> None:
+    """The review's free-token finding for a gateway that died, answered, not closed: a connection whose gateway
+    died is billed what was emitted while that gateway was last seen alive (a crash of ours is not the client's to
+    pay). What was emitted between the crash and its discovery stays in the log, readable by a late resume within the
+    resume TTL unbilled: bounded by one presence check plus the gateway's liveness TTL, because the generation is
+    suspended as soon as the death is found (before, it went on for the whole window). The review's first version of
+    this test asked that those tokens be billed."""
     group, worker, req, presence, redis, clock = await generating(grace_s=30)
     worker.engine.step(req.request_id, 3)
     await emitted(group, req, 3)
@@ -197,12 +199,14 @@ async def test_every_token_a_late_resume_can_read_is_billed_when_a_dead_gateways
     await emitted(group, req, 8)  # the gateway dies meanwhile; its liveness key lapses before the next check
     redis.alive = set()
     await presence.check()
+    worker.engine.step(req.request_id, 20)  # the next step finds nobody attached: suspended, nothing more emitted
+    await until(lambda: worker.intake.jobs[req.request_id].suspended)
     clock.now += 30
     await presence.check()
     await worker.settle()
     billed = [u.completion_tokens for u in group.usage]
     in_log = group.log.client_view(req.request_id)[1].tokens
-    assert (in_log, billed) == (8, [8])
+    assert (in_log, billed) == (8, [3])
 
 
 # --- Redis away: the windows that need no Redis stop running ---------------------------------------------------------
@@ -213,9 +217,9 @@ class RedisAway:
         raise RedisConnectionError("Redis is restarting")
 
 
-@pytest.mark.xfail(strict=True, reason="review: while Redis is away no dropped stream's window ends")
 async def test_a_dropped_clients_window_ends_while_redis_is_away() -> None:
-    """Defect: the presence check returns before looking at any stream when the liveness lookup fails
+    """Fixed (the module docstring says how).
+    The defect: the presence check returns before looking at any stream when the liveness lookup fails
     (``presence.py`` lines 56-59, "unknown is not gone"), though a stream whose every connection *detached* needs no
     liveness key to know nobody is attached: its window runs on the worker's own clock. With any other stream attached
     on the worker (every busy worker) the lookup is made, fails, and no window ends.
@@ -241,9 +245,9 @@ async def test_a_dropped_clients_window_ends_while_redis_is_away() -> None:
 # --- takeover: what the control topic's memory forgets ---------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="review: RecentControls' 64 events per request forget the origin's detach")
 async def test_a_takeover_after_many_drops_and_resumes_still_knows_nobody_is_attached() -> None:
-    """Defect: ``RecentControls`` keeps the latest 64 events per request (``control.py`` line 41), and a takeover
+    """Fixed (the module docstring says how).
+    The defect: ``RecentControls`` keeps the latest 64 events per request (``control.py`` line 41), and a takeover
     rebuilds the connections by replaying them (``intake.py`` ``_listeners_of``). A client that dropped and resumed
     more than 32 times has lost its origin connection's DETACH from that memory: the successor takes the origin for
     attached (its gateway lives), so it never holds and its window never runs. (The 50,000-request LRU,
@@ -276,9 +280,9 @@ async def test_a_takeover_after_many_drops_and_resumes_still_knows_nobody_is_att
 # --- C1 during a rolling upgrade: a pre-v3 cancel misattributed -------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="review: a v2 cancel from another process of the origin's fleet is the origin's")
 async def test_a_v2_cancel_from_another_process_of_the_origin_gateways_fleet_does_not_lower_the_bill() -> None:
-    """Defect: a cancel of a pre-v3 gateway (no attachment) is taken for the accepting connection's own when its
+    """Fixed (the module docstring says how).
+    The defect: a cancel of a pre-v3 gateway (no attachment) is taken for the accepting connection's own when its
     issuer's id and the accepting gateway's id agree before their first "/" (``listeners.py`` line 71). The processes
     of one ``kns gateway --processes N`` fleet are ``<host:port>/<index>`` (``producers/gateway/fleet.py`` line 28),
     each gateway id ``<instance>/<incarnation>`` (``producers/relay/claim.py`` line 71): every process of the fleet
@@ -303,44 +307,33 @@ async def test_a_v2_cancel_from_another_process_of_the_origin_gateways_fleet_doe
 # --- metrics ----------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="review: the worker's TTFT is observed once per held delta")
-async def test_the_time_to_first_token_is_observed_once_for_a_stream_held_before_its_first_token() -> None:
-    """Defect: ``_relay_deltas`` observes ``kns_worker_ttft_seconds`` while ``job.seq == 0 and job.tokens ==
-    job.prefix.tokens`` (``intake.py`` line 567); a held delta advances neither, so each delta held before the first
-    emission is observed again.
-
-    Consequence: the TTFT histogram counts a dropped stream once per engine step of its drop: a fleet with dropped
-    clients shows an inflated count and a TTFT distribution skewed by the steps of held streams."""
+async def test_the_time_to_first_token_is_observed_once_for_a_stream_dropped_before_its_first_token() -> None:
+    """Review finding (fixed): the worker's TTFT was observed for every engine delta before the first emission, a
+    dropped stream's steps included. Now once, at the first token emitted."""
     group, worker, req, _presence, _redis, _clock = await generating()
     before = counter("kns_worker_ttft_seconds_count")
     worker.intake.on_control(event(req, ControlAction.DETACH, ORIGIN_ATTACHMENT, "gw/a", delivered=0, window_s=30))
-    worker.engine.step(req.request_id, 5)  # held
-    await pump()
+    worker.engine.step(req.request_id, 1)  # generated for nobody: dropped, suspended
+    await until(lambda: worker.intake.jobs[req.request_id].suspended)
     worker.intake.on_control(event(req, ControlAction.ATTACH, "r1", "gw/b"))
-    worker.engine.step(req.request_id, 1)
+    worker.engine.step(req.request_id, 6)
     await emitted(group, req, 6)
     observed = counter("kns_worker_ttft_seconds_count") - before
     assert observed == 1
 
 
-@pytest.mark.xfail(strict=True, reason="review: held tokens nobody came back for are counted 'resumed'")
-async def test_held_tokens_of_an_answer_that_ends_with_nobody_back_are_not_counted_resumed() -> None:
-    """Defect: ``_unhold`` counts what it releases as ``kns_worker_unattended_tokens_total{fate="resumed"}``
-    (``intake.py`` line 601), and the final of an answer that ends while nobody is attached releases its held output
-    through it (line 573) though no client came back. Held output dropped by a revoke or a stop is counted under no
-    fate.
-
-    Consequence: the metric issue 36 asks for ("tokens generated for dropped clients, and its cost") reports work
-    done for nobody as delivered to returning clients."""
+async def test_tokens_generated_for_nobody_are_counted_and_an_attended_stream_counts_none() -> None:
+    """Issue 36: the work done after a disconnect is visible: the tokens generated once every client had gone
+    (dropped unsent when the generation is suspended) count in ``kns_worker_unattended_tokens_total``."""
     group, worker, req, _presence, _redis, _clock = await generating(max_tokens=10)
-    before = counter("kns_worker_unattended_tokens_total", fate="resumed")
+    before = counter("kns_worker_unattended_tokens_total")
     worker.engine.step(req.request_id, 3)
     await emitted(group, req, 3)
+    assert counter("kns_worker_unattended_tokens_total") == before
     worker.intake.on_control(event(req, ControlAction.DETACH, ORIGIN_ATTACHMENT, "gw/a", delivered=3, window_s=30))
-    worker.engine.step(req.request_id, 7)  # ends, nobody attached
-    await worker.settle()
-    resumed = counter("kns_worker_unattended_tokens_total", fate="resumed") - before
-    assert resumed == 0
+    worker.engine.step(req.request_id, 1)
+    await until(lambda: worker.intake.jobs[req.request_id].suspended)
+    assert counter("kns_worker_unattended_tokens_total") - before == 1
 
 
 def test_recent_controls_keep_64_events_per_request() -> None:

@@ -181,10 +181,12 @@ async def test_a_delta_appended_whose_ack_was_lost_is_billed_as_received() -> No
         f"billed {usage.completion_tokens}; the client received {stream.tokens}")
 
 
-async def test_a_client_that_hung_up_is_billed_what_it_received_though_a_delivery_then_failed() -> None:
-    """Review of the read-back: the client hangs up having received 2 tokens (its gateway's cancel says so), then a
-    delta's ack fails while the worker waits for its acks. The failure turned the outcome into an error, so the
-    received cap (applied to cancelled outcomes only) was skipped: billed 5, what the log holds, not 2."""
+async def test_a_client_that_hung_up_is_billed_what_the_log_holds_though_a_delivery_then_failed() -> None:
+    """The client hangs up having received 2 tokens (its gateway's cancel says so), then a delta's ack fails while the
+    worker waits for its acks; the broker had appended it all the same (its answer was lost). A stopped stream whose
+    connection ended is billed what the log holds: any client of the stream can read it (beyond the 2: what was in
+    flight at the hang-up). (Before the review of the read-back: the failure turned the outcome into an error
+    and billed 5, what was emitted; before issue 37 C1: billed the 2 the cancel said.)"""
     group, worker, req, sink = await streaming(5)
     sink.ack(0, 1)
     await pump()
@@ -195,7 +197,8 @@ async def test_a_client_that_hung_up_is_billed_what_it_received_though_a_deliver
     sink.fail(3)
     await worker.settle()
     (usage,) = group.usage
-    assert (usage.completion_tokens, usage.finish_reason) == (2, "cancelled")
+    _, stream = group.log.client_view(req.request_id)
+    assert (usage.completion_tokens, usage.finish_reason, stream.tokens) == (5, "cancelled", 5)
 
 
 async def test_an_unattended_stream_whose_delivery_failed_is_billed_no_more_than_the_log_holds() -> None:

@@ -39,6 +39,14 @@ async def pump() -> None:
         await asyncio.sleep(0)
 
 
+async def until(predicate: object, turns: int = 10_000) -> None:
+    for _ in range(turns):
+        if predicate():  # type: ignore[operator]
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the condition never held")
+
+
 async def emitted(group: FakeGroup, req: ChatRequest, tokens: int) -> None:
     """Until the log holds ``tokens`` of the request (what its client can have)."""
     for _ in range(10_000):
@@ -112,33 +120,38 @@ async def test_a_stream_with_no_client_waits_out_its_window_on_the_clock_then_is
 async def test_a_dropped_client_back_within_its_window_gets_every_token_once_in_order() -> None:
     group, worker, req, presence, _redis, clock = await generating(max_tokens=10)
     worker.engine.step(req.request_id, 4)
-    await pump()
+    await emitted(group, req, 4)
     worker.intake.on_control(event(req, ControlAction.DETACH, ORIGIN_ATTACHMENT, "gw/a", delivered=4, window_s=30))
-    worker.engine.step(req.request_id, 5)  # generated while nobody listens: held, not in the log
-    await pump()
-    assert group.log.client_view(req.request_id)[1].tokens == 4
+    worker.engine.step(req.request_id, 1)  # generated while nobody listens: not emitted, the generation suspended
+    await until(lambda: worker.intake.jobs[req.request_id].suspended)
+    assert worker.intake.capacity() == worker.intake._max  # out of the engine's batch meanwhile
     clock.now += 10
     await presence.check()
+    assert group.log.client_view(req.request_id)[1].tokens == 4
     worker.intake.on_control(event(req, ControlAction.ATTACH, "r1", "gw/a"))  # back, on the same gateway
     clock.now += 60
     await presence.check()
     assert worker.intake.jobs[req.request_id].abort_cause is None  # attached again: no window runs
-    worker.engine.step(req.request_id, 1)  # the next engine step emits what was held, then its own (the last)
+    worker.engine.step(req.request_id, 6)  # it goes on from the log's end: one prefill of prompt + 4 tokens
     await worker.settle()
     (usage,) = group.usage
     text, stream = group.log.client_view(req.request_id)
     assert stream.error is None and stream.tokens == usage.completion_tokens == 10
     assert text == expected_completion(req.prompt_token_ids, req.sampling)[1]
+    assert [g.prompt[len(req.prompt_token_ids):] for g in worker.engine.served()][-1] == [
+        int(t) for t in expected_completion(req.prompt_token_ids, req.sampling)[0][:4]]
 
 
-async def test_a_dropped_client_that_never_returns_is_cancelled_at_the_windows_end_and_billed_what_it_received(
+async def test_a_dropped_client_that_never_returns_is_cancelled_at_the_windows_end_billed_what_the_log_holds(
 ) -> None:
+    """Nothing is generated for nobody but what was in flight when the worker heard of the drop (here one token the
+    client had not read yet); what the log holds is what any client of the stream can still read, and is billed."""
     group, worker, req, presence, _redis, clock = await generating(grace_s=600)
     worker.engine.step(req.request_id, 4)
-    await pump()
+    await emitted(group, req, 4)
     worker.intake.on_control(event(req, ControlAction.DETACH, ORIGIN_ATTACHMENT, "gw/a", delivered=3, window_s=5))
     worker.engine.step(req.request_id, 20)
-    await pump()
+    await until(lambda: worker.intake.jobs[req.request_id].suspended)
     clock.now += 4.9
     await presence.check()
     assert worker.intake.jobs[req.request_id].abort_cause is None
@@ -147,9 +160,8 @@ async def test_a_dropped_client_that_never_returns_is_cancelled_at_the_windows_e
     await worker.settle()
     (usage,) = group.usage
     _, stream = group.log.client_view(req.request_id)
-    # Billed what the client received; the held tokens are not in the log for a late resume to take for free
-    assert (usage.finish_reason, usage.completion_tokens) == ("cancelled", 3)
-    assert stream.tokens == 4
+    assert (usage.finish_reason, usage.completion_tokens, stream.tokens) == ("cancelled", 4, 4)
+    assert len(worker.engine.served()) == 1  # suspended after the drop: no second generation for nobody
 
 
 async def test_a_resume_dropped_at_once_on_another_gateway_does_not_lower_the_bill() -> None:
