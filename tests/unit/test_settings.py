@@ -61,6 +61,6 @@ def test_a_resume_window_as_long_as_the_streams_resume_ttl_fails_at_start_up() -
     """A client dropped near the end of such a window would find its stream record gone: 404 instead of the rest."""
     with pytest.raises(ValueError, match="resume_window_s"):
         Settings(gateway={"resume_ttl_s": 60, "resume_window_s": 60})  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="tiers.free.resume_window_s"):
+    with pytest.raises(ValueError, match=r"tiers\.free\.resume_window_s"):
         Settings(tenancy={"tiers": {"free": {"resume_window_s": 900}}})  # type: ignore[arg-type]
     assert Settings(gateway={"resume_window_s": 0}).gateway.resume_window_s == 0  # type: ignore[arg-type]
