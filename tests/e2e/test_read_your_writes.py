@@ -58,7 +58,7 @@ async def test_each_turn_is_listed_retrieved_and_its_response_read_on_another_ga
         answer = await other.conversations.items.retrieve(listed.data[-1].id, conversation_id=conversation.id)
         assert text_of(answer) == response.output_text
         retrieved = await other.responses.retrieve(response.id)
-        assert (retrieved.status, retrieved.output_text) == ("completed", response.output_text)
+        assert (retrieved.status, retrieved.output_text) == (response.status, response.output_text)
 
 
 async def test_a_stored_chat_completion_is_retrieved_on_another_gateway_as_its_create_returns(
