@@ -291,11 +291,12 @@ class Relay:
 
     async def _catch_up(self, request_id: str, tp: TopicPartition, from_offset: int, collector: StreamCollector
                         ) -> StreamCollector:
-        """A far resume: on a catch-up of its partition near its offset, or on one of its own once a turn is free."""
+        """A far resume: on a catch-up of its partition near its offset (one further back would make it wait while
+        that one reads up to it), or on one of its own once a turn is free."""
         while True:
             for catch_up in self._catch_ups:
                 if (catch_up.tp == tp and not catch_up.ending and catch_up.healthy
-                        and catch_up.position - from_offset <= NEAR_REWIND):
+                        and abs(catch_up.position - from_offset) <= NEAR_REWIND):
                     return self._add(catch_up, request_id, collector, from_offset)
             if not self._catch_up_turns.locked():
                 break

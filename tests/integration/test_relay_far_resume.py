@@ -125,3 +125,60 @@ async def test_a_far_resume_whose_client_left_stops_and_the_resumed_feed_never_g
     finally:
         await relay.stop()
         await producer.stop()
+
+
+async def test_far_resumes_past_the_catch_up_turns_wait_for_one(kafka: KafkaSettings,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each far resume reading its backlog is a consumer decoding its partition: a gateway process runs
+    ``MAX_CATCH_UPS`` at once, and another far resume waits for a turn (here: one turn, held by a first one)."""
+    monkeypatch.setattr(demux, "NEAR_REWIND", 100)
+    monkeypatch.setattr(demux, "MAX_CATCH_UPS", 1)
+    topic = kafka.topic(TOPICS.tokens.name)
+    codec = codec_for(TokenEvent)
+    producer = make_producer(kafka, role="test")
+    await producer.start()
+    try:
+        noise = codec.encode(token("someone-else", 0))
+
+        async def backlog() -> int:
+            sends = [await producer.send(topic, noise, key=b"someone-else", partition=PARTITION) for _ in range(500)]
+            return (await asyncio.gather(*sends))[-1].offset
+
+        first = (await producer.send_and_wait(topic, codec.encode(token("first", 0)), key=b"first",
+                                              partition=PARTITION)).offset
+        held_from = await backlog() - 499
+        second = (await producer.send_and_wait(topic, codec.encode(token("second", 0, final=True)), key=b"second",
+                                               partition=PARTITION)).offset
+        await backlog()
+        live = (await producer.send_and_wait(topic, codec.encode(token("live", 0)), key=b"live",
+                                             partition=PARTITION)).offset
+        held, released = asyncio.Event(), asyncio.Event()
+        route = demux._Feed._route
+
+        async def slow_first_backlog(feed: demux._Feed, record: ConsumerRecord[bytes, bytes]) -> None:
+            if held_from <= record.offset < second:
+                held.set()
+                await released.wait()
+            await route(feed, record)
+
+        monkeypatch.setattr(demux._Feed, "_route", slow_first_backlog)
+        relay = Relay(kafka, topic, PARTITION)
+        await relay.start()
+        try:
+            await relay.resume("live", PARTITION, live, skip_through=0)
+            await relay.resume("first", PARTITION, first, skip_through=0)
+            await wait_for(held.is_set, timeout_s=20, interval_s=0.01, what="the first far resume's backlog held")
+            waiting = asyncio.ensure_future(relay.resume("second", PARTITION, second, skip_through=0))
+            for _ in range(20):
+                await asyncio.sleep(0)
+            assert not waiting.done() and len(relay._catch_ups) == 1  # the one turn is the first's
+            relay.unregister("first")  # its client leaves: its turn ends with its fetch
+            released.set()
+            resumed = await asyncio.wait_for(waiting, 20)
+            text, last = await drain(resumed, 20)
+            assert (text, last.finish_reason) == ("<0>", "stop")
+        finally:
+            released.set()
+            await relay.stop()
+    finally:
+        await producer.stop()
