@@ -129,6 +129,8 @@ class Accepted:
     attachment: str = ORIGIN_ATTACHMENT
     #: how long the generation goes on for this client to come back if its connection drops (0: cancelled at once)
     resume_window_s: float = 0.0
+    #: its client reconnected to this gateway before this connection was found dead: the stream is the new one's
+    superseded: bool = False
 
     def __post_init__(self) -> None:
         if self.request is not None:
@@ -310,6 +312,10 @@ class ChatService:
         if record is None or record.org_id != key.org_id or bool(record.extra) != responses:
             GATEWAY_RESUMES.labels(outcome="not_found").inc()
             raise stream_not_found(request_id)
+        if request_id in self._open:
+            # Its client is back on this gateway before the old connection was found dead (a network that changed
+            # address drops no FIN: TCP notices minutes later): the new connection takes the stream over.
+            await self._supersede(request_id)
         try:
             collector = await self._relay.resume(request_id, record.partition, record.from_offset,
                                                  skip_through=max(client_has, 0))
@@ -342,6 +348,16 @@ class ChatService:
                             record=record, attachment=attachment, resume_window_s=self.resume_window_s(key.tier))
         self._track(accepted)
         return accepted
+
+    async def _supersede(self, request_id: str) -> None:
+        """End the stream's old connection on this gateway as a hand-over (no ``[DONE]``, no cancel: detached with
+        what it sent); the stream is the new connection's from now on, whenever the old one's task gets to close."""
+        previous = self._open.pop(request_id, None)
+        if previous is None:
+            return
+        previous.superseded = True
+        self._relay.unregister(request_id)
+        previous.collector.fail("the client reconnected on another connection", ErrorCode.GATEWAY_STOPPING)
 
     async def cancel_stream(self, request_id: str, key: ApiKey, *, traceparent: str, responses: bool = False) -> None:
         """Stop a generation on the client's word, from any gateway: honoured by its worker within one engine step,
@@ -530,10 +546,11 @@ class ChatService:
         a streamed client whose connection dropped, leave it its window to come back)."""
         if outcome == "cancelled" and stream and not accepted.finished and accepted.resume_window_s > 0:
             outcome = "dropped"
-        self._relay.unregister(accepted.request_id)
-        self._open.pop(accepted.request_id, None)
+        if not accepted.superseded:  # else the stream is a newer connection's already
+            self._relay.unregister(accepted.request_id)
+            self._open.pop(accepted.request_id, None)
         if accepted.ticket is not None:
-            self._spawn(self._admission.end(accepted.ticket, accepted.used_tokens))
+            self._end_ticket(accepted, outcome)
         GATEWAY_IN_FLIGHT.dec()
         elapsed = time.perf_counter() - accepted.received_at
         GATEWAY_E2E.observe(elapsed)
@@ -566,6 +583,21 @@ class ChatService:
             reason = "the stream ended in error" if outcome == "error" else "client disconnected"
             self._spawn(self._cancel(accepted.request_id, reason, accepted.traceparent,
                                      accepted.collector.delivered, accepted.attachment))
+
+    def _end_ticket(self, accepted: Accepted, outcome: str) -> None:
+        """Free the request's in-flight slots, unless its generation goes on without this connection: a dropped
+        stream waits out its window, a handed-over one goes on elsewhere, and its slot must bound the key's
+        concurrency until then (else a key limited to one stream could drop and reopen as many as its RPM allows).
+        The worker frees it when it settles the request; a slot of this process's own limiter (Redis down), which no
+        worker can reach, when the window ends."""
+        ticket = accepted.ticket
+        assert ticket is not None
+        if outcome not in ("dropped", "handed_over"):
+            self._spawn(self._admission.end(ticket, accepted.used_tokens))
+        elif ticket.local:
+            later = accepted.resume_window_s if outcome == "dropped" else 0.0
+            asyncio.get_running_loop().call_later(
+                later, lambda: self._spawn(self._admission.end(ticket, accepted.used_tokens)))
 
     def spawn(self, coro: Coroutine[object, object, None]) -> None:
         """Run a clean-up to its end even though the request that started it is cancelled."""

@@ -1,6 +1,7 @@
 """Adversarial review of 86f95a9 (issue 36 item 1, issue 37 C1), the gateway's side: what a dropped, resumed or
-cancelled stream tells the workers and the limiter. Each xfail test states a defect, its consequence for a user or a
-bill, and the code line (line numbers as of 86f95a9); it fails on 86f95a9 for that reason."""
+cancelled stream tells the workers and the limiter. Each test states a defect the review found, its consequence for
+a user or a bill, and the code line (line numbers as of 86f95a9); each failed on 86f95a9 for that reason and passes
+since its fix."""
 
 from __future__ import annotations
 
@@ -113,7 +114,6 @@ def counter(name: str, **labels: str) -> float:
 # --- limits: a dropped stream's generation runs outside max_concurrent ----------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="review: a dropped stream frees its in-flight slot while it still generates")
 async def test_a_dropped_stream_keeps_its_in_flight_slot_while_its_generation_goes_on() -> None:
     """Defect: ``close`` ends the admission ticket of every stream that ends on this connection
     (``service.py`` lines 509-510), a dropped one too, although its generation goes on for the resume window; nothing
@@ -168,7 +168,6 @@ async def test_a_resume_refused_after_its_attach_reached_the_log_detaches_that_c
 # --- a reconnect to the same gateway before it noticed the drop ------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="review: a reconnect to the same gateway is refused 409 until it sees the drop")
 async def test_a_client_reconnecting_to_the_same_gateway_before_it_noticed_the_drop_gets_its_stream() -> None:
     """Defect: a resume on the gateway process that still serves the stream's old connection is refused 409
     ``stream_in_use`` (``service.py`` lines 309-312, the relay's one-registration rule ``demux.py`` line 234). The
