@@ -64,6 +64,15 @@ class PendingWrites:
             log.warning("pending write not noted; a read right after may miss it",
                         extra={"request_id": request_id, "reason": repr(exc)})
 
+    async def forget(self, request_id: str) -> None:
+        """The row was deleted: reads by its id no longer wait for it (else each would wait ``wait_s`` for nothing
+        while the note lives)."""
+        try:
+            await self._redis.delete(self._key(request_id))
+        except REDIS_ERRORS as exc:
+            log.warning("pending note not forgotten; reads of the deleted row wait out the note",
+                        extra={"request_id": request_id, "reason": repr(exc)})
+
     async def row(self, request_id: str, org_id: str, read: Callable[[], Awaitable[T | None]]) -> T | None:
         """``read()``'s row; when it is not written yet but noted as on its way (for the reader's org: nobody waits
         on another org's id), the row once written, or None after the wait."""

@@ -269,6 +269,8 @@ class ResponsesService:
             raise response_not_found(response_id)
         # Unreadable at once everywhere: its stream, still resumable from the log for a while, no longer is.
         await self._chat.forget_stream(response_id)
+        if self._pending is not None:
+            await self._pending.forget(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     async def _row(self, response_id: str, key: ApiKey) -> StoredResponse | None:

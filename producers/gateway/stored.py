@@ -49,9 +49,9 @@ class StoredCompletions:
             raise not_found(completion_id)
         return row
 
-    async def get(self, completion_id: str, org_id: str) -> dict[str, Any]:
-        if self._pending is None:
-            return _completion(await self._row(completion_id, org_id))
+    async def _written(self, completion_id: str, org_id: str) -> dict[str, Any] | None:
+        """The completion's row; read-your-writes: one that ended a moment ago is waited for until the writer stored
+        it (every operation by id: a client that deletes what it just created must find it too)."""
 
         async def row() -> dict[str, Any] | None:  # not found yet, unless it is another org's
             try:
@@ -61,15 +61,21 @@ class StoredCompletions:
                     return None
                 raise
 
-        # Read-your-writes: a completion that ended a moment ago is waited for until the writer stored it
-        found = await self._pending.row(completion_id, org_id, row)
+        if self._pending is None:
+            return await row()
+        return await self._pending.row(completion_id, org_id, row)
+
+    async def get(self, completion_id: str, org_id: str) -> dict[str, Any]:
+        found = await self._written(completion_id, org_id)
         if found is None:
             raise not_found(completion_id)
         return _completion(found)
 
     async def messages(self, completion_id: str, org_id: str, *, after: str | None, limit: int,
                        ascending: bool) -> dict[str, Any]:
-        row = await self._row(completion_id, org_id)
+        row = await self._written(completion_id, org_id)
+        if row is None:
+            raise not_found(completion_id)
         messages = [{"id": f"{completion_id}-{i}", "role": m["role"], "content": m["content"],
                      "name": m.get("name"), "content_parts": None}
                     for i, m in enumerate(orjson.loads(row["messages"] or "[]"))]
@@ -98,6 +104,8 @@ class StoredCompletions:
     async def delete(self, completion_id: str, org_id: str) -> dict[str, Any]:
         try:
             deleted = await self._store.delete(completion_id, org_id)
+            if not deleted and await self._written(completion_id, org_id) is not None:
+                deleted = await self._store.delete(completion_id, org_id)
         except STORE_ERRORS as exc:
             raise unavailable("Stored completions are unavailable right now; retry later.") from exc
         if not deleted:
@@ -105,6 +113,8 @@ class StoredCompletions:
         # Unreadable at once everywhere: its stream, still resumable from the log for a while, no longer is
         if self._forget_stream is not None:
             await self._forget_stream(completion_id)
+        if self._pending is not None:
+            await self._pending.forget(completion_id)  # reads by its id stop waiting for the row
         return {"object": "chat.completion.deleted", "id": completion_id, "deleted": True}
 
 
