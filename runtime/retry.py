@@ -10,14 +10,16 @@ from typing import TypeVar
 from cassandra import OperationTimedOut, ReadTimeout, Unavailable, WriteTimeout
 from cassandra.cluster import NoHostAvailable
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError as RedisOutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
+#: Redis full (``maxmemory``, ``noeviction``) refuses writes until keys expire: a sink waits, as for Redis down
 TRANSIENT: tuple[type[BaseException], ...] = (
     OperationTimedOut, Unavailable, WriteTimeout, ReadTimeout, NoHostAvailable,
-    RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError,
+    RedisConnectionError, RedisTimeoutError, RedisOutOfMemoryError, ConnectionError, TimeoutError,
 )
 
 

@@ -274,6 +274,17 @@ class CassandraService(Service):
         return f"cql 127.0.0.1:{self.port}, metrics :{self.stack.cassandra_jmx_exporter_port}"
 
 
+#: Redis's memory bound, and what happens at it: nothing is evicted, writes are refused (``OOM`` errors). Every key
+#: Redis holds is live state (rate-limit windows and in-flight leases, budget holds, suspensions, stream records,
+#: partition and worker leases, read-your-writes notes): an evicting policy would drop them silently, and a dropped
+#: window admits past the limit while a dropped stream record makes a live stream unresumable. Refused writes are
+#: loud instead: the gateway answers them as Redis down (503, or a tier's local limiter), the processors retry.
+#: The bound is the dev stack's; size it to the fleet (a chat stream record is a few hundred bytes, a Responses
+#: one carries its response object; each lives ``resume_ttl_s``).
+REDIS_MAXMEMORY = "512mb"
+REDIS_MAXMEMORY_POLICY = "noeviction"
+
+
 class RedisService(Service):
     name = "redis"
 
@@ -291,6 +302,7 @@ class RedisService(Service):
         return [
             binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir),
             "--appendonly", "yes", "--save", "", "--daemonize", "no", "--logfile", "",
+            "--maxmemory", REDIS_MAXMEMORY, "--maxmemory-policy", REDIS_MAXMEMORY_POLICY,
         ]
 
     async def healthy(self) -> bool:
