@@ -306,8 +306,10 @@ class ChatService:
                      responses: bool = False) -> Accepted:
         """The rest of a stream this or another gateway accepted, after the event at ``client_has`` (-1: all of
         it). 404 for an id that is unknown, expired or another org's, or of the other API (``responses``: a
-        Responses API stream, else a chat completion's)."""
+        Responses API stream, else a chat completion's). A resume takes a read of its key's (issue 37 M2: it
+        generates nothing, but each one reads the log again)."""
         received_at = time.perf_counter()
+        await self._admission.admit_read(key)
         record = await self.stream_record(request_id)
         if record is None or record.org_id != key.org_id or bool(record.extra) != responses:
             GATEWAY_RESUMES.labels(outcome="not_found").inc()

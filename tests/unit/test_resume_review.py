@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from types import SimpleNamespace
 
 import pytest
 import pytest_asyncio
@@ -22,7 +21,7 @@ from schemas.events import ChatRequest, ControlAction, ControlEvent, ErrorCode, 
 from tests.fakes.engine import FakeEngine
 from tests.fakes.gateway import PROMPTS, RecordingPublisher
 from tests.fakes.kafka import FakeGroup
-from tests.fakes.tenancy import local_admission
+from tests.fakes.tenancy import api_key, local_admission
 from tests.fakes.worker import make, pump, request, stop_made_workers
 
 
@@ -93,7 +92,7 @@ async def test_a_resume_that_completes_while_the_gateway_hands_over_is_handed_ov
     streams, relay, publisher = _SlowStreams(), _Relay(), RecordingPublisher()
     chat = ChatService(GatewaySettings(instance_id="gw"), PROMPTS, publisher, relay, 0, "gw/1",  # type: ignore[arg-type]
                        admission=local_admission(), streams=streams)  # type: ignore[arg-type]
-    key = SimpleNamespace(org_id="org", tier="plus")
+    key = api_key()
     resuming = asyncio.ensure_future(chat.resume("chatcmpl-r", 3, key, traceparent="00-0-0-01"))  # type: ignore[arg-type]
     await asyncio.sleep(0)
     chat.hand_over()  # SIGTERM
@@ -203,7 +202,7 @@ async def test_a_resumed_stream_still_queued_waits_as_long_as_its_queue_deadline
     chat = ChatService(GatewaySettings(instance_id="gw", stream_idle_timeout_s=0.1, queue_deadline_s=1.0,
                                        first_token_grace_s=1.0), PROMPTS, publisher, _Relay(), 0, "gw/1",  # type: ignore[arg-type]
                        admission=local_admission(), streams=_Streams())  # type: ignore[arg-type]
-    accepted = await chat.resume("chatcmpl-q", -1, SimpleNamespace(org_id="org", tier="plus"),  # type: ignore[arg-type]
+    accepted = await chat.resume("chatcmpl-q", -1, api_key(),  # type: ignore[arg-type]
                                  traceparent="00-0-0-01")
     body = chat.stream(accepted)
     try:
@@ -226,7 +225,7 @@ async def test_a_resumed_stream_whose_foreign_feed_dies_is_not_cancelled() -> No
     publisher = RecordingPublisher()
     chat = ChatService(GatewaySettings(instance_id="gw"), PROMPTS, publisher, _Relay(), 0, "gw/1",  # type: ignore[arg-type]
                        admission=local_admission(), streams=_Streams())  # type: ignore[arg-type]
-    accepted = await chat.resume("chatcmpl-f", 4, SimpleNamespace(org_id="org", tier="plus"),  # type: ignore[arg-type]
+    accepted = await chat.resume("chatcmpl-f", 4, api_key(),  # type: ignore[arg-type]
                                  traceparent="00-0-0-01")
     accepted.collector.fail("the gateway's token relay failed", ErrorCode.GATEWAY_STOPPING)  # what fail_all does
     chunks: list[bytes] = []

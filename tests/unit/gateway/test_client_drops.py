@@ -16,7 +16,7 @@ from producers.gateway.service import ChatService, HandedOver
 from producers.relay.collector import StreamCollector
 from runtime.settings import GatewaySettings, TenancySettings
 from runtime.streams import StreamRecord
-from schemas.events import ORIGIN_ATTACHMENT, TokenEvent
+from schemas.events import ORIGIN_ATTACHMENT, LimitOverrides, TokenEvent
 from tests.fakes.gateway import PROMPTS, RecordingPublisher
 from tests.fakes.tenancy import api_key, local_admission
 
@@ -166,3 +166,23 @@ async def test_an_explicit_cancel_names_no_connection_and_is_refused_for_another
     with pytest.raises(ApiError) as ended:
         await chat.cancel_stream(request_id, api_key(), traceparent="00-0-0-01")
     assert (ended.value.status, ended.value.code, len(publisher.cancels)) == (409, "completion_finished", 1)
+
+
+async def test_resumes_take_reads_of_their_key_and_past_its_reads_per_minute_get_429_before_any_lookup() -> None:
+    """Issue 37 M2: a resume generates nothing but reads the log again (a far one on a consumer of its own)."""
+    chat, _, relay, streams = service()
+    accepted = await accept(chat)
+    await read_then_drop(chat, relay, accepted, 1)
+    lookups = []
+    real_lookup = streams.lookup
+
+    async def counting(request_id: str) -> StreamRecord | None:
+        lookups.append(request_id)
+        return await real_lookup(request_id)
+
+    streams.lookup = counting  # type: ignore[method-assign]
+    key = api_key(limits=LimitOverrides(requests_per_minute=1))
+    await chat.resume(accepted.request_id, 1, key, traceparent="00-0-0-01")  # type: ignore[attr-defined]
+    with pytest.raises(ApiError) as refused:
+        await chat.resume(accepted.request_id, 1, key, traceparent="00-0-0-01")  # type: ignore[attr-defined]
+    assert (refused.value.status, refused.value.code, len(lookups)) == (429, "rate_limit_exceeded", 1)
