@@ -348,18 +348,23 @@ class SafetySettings(BaseModel):
 
 class AbuseSettings(BaseModel):
     burst_window_s: float = 10.0
-    #: a key is flagged at this multiple of its tier's rate (tenancy.tiers, per window), suspended at
-    #: ``suspend_factor`` of it
-    burst_factor: float = 3.0
-    suspend_factor: float = 2.0
+    #: a key is flagged when its requests in a window, admitted and refused (429) together, reach this multiple of
+    #: what its org's limits admit in that window (the limiter's full bucket plus the window's refill: a key within
+    #: its limits never gets there), suspended at ``suspend_factor`` times that. Above 2, so that a client that
+    #: retries no sooner than Retry-After says (at most one refusal per admission) is never flagged.
+    burst_factor: float = Field(default=3.0, gt=2)
+    suspend_factor: float = Field(default=2.0, ge=1)
     violations_window_s: float = 600.0
     violations_flag: int = 3
     violations_suspend: int = 6
     velocity_window_s: float = 60.0
+    #: completion tokens, against what the org's tokens-per-minute limit admits in the window, likewise
     velocity_factor: float = 3.0
     addresses_window_s: float = 300.0
     addresses_flag: int = 5
     addresses_suspend: int = 20
+    #: each gateway reports the requests it refused (per key) this often (``producers/gateway/refusals.py``)
+    refusal_report_s: float = Field(default=1.0, gt=0)
 
 
 class TierPolicy(BaseModel):

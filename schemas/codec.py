@@ -27,6 +27,7 @@ from schemas.events import (
     Event,
     KeyRecord,
     OrgRecord,
+    RequestsRefused,
     SafetyVerdict,
     StoredCompletion,
     TokenEvent,
@@ -49,6 +50,7 @@ SCHEMA_DIRS: dict[type[Event], str] = {
     OrgRecord: "org_record",
     KeyRecord: "key_record",
     StoredCompletion: "stored_completion",
+    RequestsRefused: "requests_refused",
 }
 
 E = TypeVar("E", bound=Event)

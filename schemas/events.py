@@ -303,6 +303,18 @@ class AbuseAlert(Event):
     raised_at: datetime
 
 
+class RequestsRefused(Event):
+    """Requests of one key one gateway refused at admission (429) since its last report for that key."""
+
+    key_id: str
+    org_id: str
+    tier: str
+    refused: int
+    first_at: datetime
+    last_at: datetime
+    gateway_id: str
+
+
 class BudgetAlert(Event):
     alert_id: str
     org_id: str

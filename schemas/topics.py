@@ -18,6 +18,7 @@ from schemas.events import (
     Event,
     KeyRecord,
     OrgRecord,
+    RequestsRefused,
     SafetyVerdict,
     StoredCompletion,
     TokenEvent,
@@ -59,6 +60,7 @@ class TopicSpec:
 @dataclass(frozen=True)
 class TopicMap:
     requests_submitted: TopicSpec
+    requests_refused: TopicSpec
     requests_admitted_high: TopicSpec
     requests_admitted: TopicSpec
     requests_admitted_low: TopicSpec
@@ -114,6 +116,18 @@ TOPICS = TopicMap(
         producers=("gateway",),
         consumers=("safety pre-filter", "abuse detector"),
         description="Every accepted chat request, before the safety pre-filter.",
+    ),
+    requests_refused=TopicSpec(
+        name="llm.requests.refused.v1",
+        event=RequestsRefused,
+        key="key_id",
+        partitions=6,
+        retention_ms=1 * DAY_MS,
+        producers=("gateway (per key, at most once a report interval while it refuses the key's requests)",),
+        consumers=("abuse detector",),
+        description="Requests refused at admission (429), counted per key by each gateway and reported in batches: "
+                    "a client hammering through its 429s is visible to the abuse detector, at no Kafka write per "
+                    "refusal.",
     ),
     requests_admitted_high=_work_queue(
         "llm.requests.admitted.high.v1", "priority class high (enterprise): drained first."),

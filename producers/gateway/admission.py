@@ -21,7 +21,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -75,9 +75,11 @@ class Ticket:
 
 
 class Admission:
-    def __init__(self, shared: Limiter, local: LocalLimiter, tiers: TierTable, holds: HoldPricer | None = None
-                 ) -> None:
+    def __init__(self, shared: Limiter, local: LocalLimiter, tiers: TierTable, holds: HoldPricer | None = None,
+                 on_refused: Callable[[ApiKey], None] | None = None) -> None:
         self._shared = shared
+        #: told of every refusal, synchronously: it must not do I/O (``refusals.RefusalReport.note``)
+        self._on_refused = on_refused
         self._local = local
         self._tiers = tiers
         self._holds = holds
@@ -120,6 +122,8 @@ class Admission:
         LIMITER_SECONDS.labels(limiter=kind).observe(time.perf_counter() - started)
         if isinstance(decision, Refused):
             LIMITER_DECISIONS.labels(outcome=decision.limit, limiter=kind).inc()
+            if self._on_refused is not None:
+                self._on_refused(key)
             if decision.limit == "budget":
                 raise over_budget(decision, key, budget)
             raise rate_limited(decision, tokens, key)

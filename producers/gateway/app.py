@@ -27,6 +27,7 @@ from producers.gateway.local_limiter import LocalLimiter
 from producers.gateway.pending_writes import PendingWrites
 from producers.gateway.prompt import PromptBuilder
 from producers.gateway.publisher import EventPublisher
+from producers.gateway.refusals import RefusalReport
 from producers.gateway.responses import ResponsesService
 from producers.gateway.responses_protocol import ResponseView
 from producers.gateway.routes import admin, chat, conversations, health, models, responses, stored, usage
@@ -87,6 +88,11 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         reply_partition = await claim.acquire(len(partitions))
         stack.push_async_callback(claim.close)
 
+        # Refusals are counted here and reported in batches to the abuse detector (``refusals.py``).
+        refusals = RefusalReport(producer, kafka, claim.gateway_id, every_s=settings.abuse.refusal_report_s)
+        refusals.start()
+        stack.push_async_callback(refusals.stop)
+
         relay = Relay(kafka, token_topic, reply_partition, DeadLetters(producer, kafka, "gateway"))
         await relay.start()
         stack.push_async_callback(relay.stop)
@@ -108,7 +114,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         admission = Admission(
             RateLimiter(redis, settings.redis, lease_s=tenancy_settings.lease_s,
                         reservation_ttl_s=tenancy_settings.reservation_ttl_s),
-            LocalLimiter(share=tenancy_settings.local_share), tenancy_settings.tiers, holds)
+            LocalLimiter(share=tenancy_settings.local_share), tenancy_settings.tiers, holds, on_refused=refusals.note)
         stack.push_async_callback(admission.drain)
         streams = StreamDirectory(redis, settings.redis, ttl_s=settings.gateway.resume_ttl_s)
         conversation_store = await ConversationStore.open(session, settings.cassandra.keyspace)

@@ -1,9 +1,11 @@
-"""Abuse detection: windowed counts per API key over requests, safety verdicts and usage.
+"""Abuse detection: windowed counts per API key over requests (admitted and refused), safety verdicts and usage.
 
-Rules (``rules.py``): request bursts far beyond the key's tier, repeated safety violations, token velocity beyond
-the tier, one key used from many client addresses. Each source stream is repartitioned by key id (Faust
-``group_by``) so that a key's counts live in one table partition. A threshold crossing becomes an AbuseAlert on
-the alerts topic; a suspend-level crossing also suspends the key (Cassandra + the Redis cache gateways read).
+Rules (``rules.py``): request bursts (admitted plus refused with 429) far beyond what the key's org's limits admit,
+repeated safety violations, token velocity beyond the org's limits, one key used from many client addresses. The
+limits are the ones the gateways enforce, read from the tenancy registry this processor follows
+(``granted.py``). Each source stream is repartitioned by key id (Faust ``group_by``) so that a key's counts live in
+one table partition. A threshold crossing becomes an AbuseAlert on the alerts topic; a suspend-level crossing also
+suspends the key (Cassandra + the Redis cache gateways read).
 
 Guarantee: Faust ``exactly_once`` — the windowed counts and the alerts are committed with the input offsets, so a
 restart neither loses nor double counts. Suspension is an idempotent upsert, and alert ids are deterministic.
@@ -24,10 +26,21 @@ from runtime.redis_client import make_redis
 from runtime.retry import retry_transient
 from runtime.settings import Settings
 from runtime.suspensions import KeySuspensions
+from runtime.tenancy import TenancyView
 from schemas.codec import EventCodec, codec_for
 from schemas.errors import DecodeError
-from schemas.events import AbuseAction, AbuseAlert, ChatRequest, Event, SafetyVerdict, UsageEvent, utcnow
+from schemas.events import (
+    AbuseAction,
+    AbuseAlert,
+    ChatRequest,
+    Event,
+    RequestsRefused,
+    SafetyVerdict,
+    UsageEvent,
+    utcnow,
+)
 from schemas.topics import TOPICS
+from stream_processors.abuse.granted import GrantedLimits
 from stream_processors.abuse.rules import Rule, Thresholds, alert_id, decide, thresholds, window_start
 from stream_processors.app import DeadLetters, build_app, raw_topic
 
@@ -83,8 +96,9 @@ def _window_table(app: faust.App, name: str, window_s: float, default: type) -> 
 
 def build(settings: Settings) -> faust.App:
     ab = settings.abuse
-    tiers = settings.tenancy.tiers
     app = build_app(settings, "abuse", guarantee="exactly_once")
+    granted = GrantedLimits(TenancyView(settings.kafka, catch_up_timeout_s=settings.tenancy.catch_up_timeout_s),
+                            settings.tenancy.tiers)
     _cluster, session = connect(settings.cassandra, keyspace=settings.cassandra.keyspace)
     suspensions = KeySuspensions(session, settings.cassandra.keyspace, make_redis(settings.redis), settings.redis)
     alerter = Alerter(app, settings, suspensions)
@@ -94,11 +108,13 @@ def build(settings: Settings) -> faust.App:
     violations = _window_table(app, "abuse-violations", ab.violations_window_s, int)
     velocity = _window_table(app, "abuse-velocity", ab.velocity_window_s, int)
     request_codec, verdict_codec, usage_codec = codec_for(ChatRequest), codec_for(SafetyVerdict), codec_for(UsageEvent)
+    refused_codec = codec_for(RequestsRefused)
 
     max_age = 2 * max(ab.burst_window_s, ab.violations_window_s, ab.velocity_window_s, ab.addresses_window_s)
 
     # Declared here, not at the agents' start: the runner creates them before the Faust worker starts.
-    by_key = {name: app.repartition_topic(name) for name in ("requests-by-key", "verdicts-by-key", "usage-by-key")}
+    by_key = {name: app.repartition_topic(name)
+              for name in ("requests-by-key", "refusals-by-key", "verdicts-by-key", "usage-by-key")}
 
     async def keyed(stream: Any, codec: EventCodec[Any], name: str) -> Any:
         """The stream re-keyed by API key id, decoded; history older than the windows is not behaviour now."""
@@ -108,19 +124,29 @@ def build(settings: Settings) -> faust.App:
             if decoded is not None and time.time() - at <= max_age:
                 yield decoded, at
 
+    async def burst_of(key_id: str, org_id: str, tier: str, requests: int, at: float) -> None:
+        limits = await granted.of(org_id, tier)
+        before = burst[key_id].current()
+        burst[key_id] += requests
+        await alerter.check(Rule.REQUEST_BURST, thresholds(Rule.REQUEST_BURST, ab, limits), before, before + requests,
+                            key_id=key_id, org_id=org_id, tier=tier, at_s=at)
+
     @app.agent(raw_topic(app, settings, TOPICS.requests_submitted))
     async def requests(stream: Any) -> None:
         async for request, at in keyed(stream, request_codec, "requests-by-key"):
-            who = {"key_id": request.key_id, "org_id": request.org_id, "tier": request.tier, "at_s": at}
-            before = burst[request.key_id].current()
-            burst[request.key_id] += 1
-            await alerter.check(Rule.REQUEST_BURST, thresholds(Rule.REQUEST_BURST, request.tier, ab, tiers), before,
-                                before + 1, **who)
+            await burst_of(request.key_id, request.org_id, request.tier, 1, at)
             seen = list(addresses[request.key_id].current())
             if request.client_addr and request.client_addr not in seen:
                 addresses[request.key_id] = [*seen, request.client_addr][-(ab.addresses_suspend + 1):]
-                await alerter.check(Rule.MANY_ADDRESSES, thresholds(Rule.MANY_ADDRESSES, request.tier, ab, tiers),
-                                    len(seen), len(seen) + 1, **who)
+                await alerter.check(Rule.MANY_ADDRESSES, thresholds(Rule.MANY_ADDRESSES, ab), len(seen),
+                                    len(seen) + 1, key_id=request.key_id, org_id=request.org_id, tier=request.tier,
+                                    at_s=at)
+
+    @app.agent(raw_topic(app, settings, TOPICS.requests_refused))
+    async def refusals(stream: Any) -> None:
+        """Requests refused with 429 count towards the key's burst (``rules.py``: why a backoff never trips it)."""
+        async for refused, at in keyed(stream, refused_codec, "refusals-by-key"):
+            await burst_of(refused.key_id, refused.org_id, refused.tier, refused.refused, at)
 
     @app.agent(raw_topic(app, settings, TOPICS.verdicts))
     async def safety_violations(stream: Any) -> None:
@@ -129,17 +155,22 @@ def build(settings: Settings) -> faust.App:
                 continue
             before = violations[verdict.key_id].current()
             violations[verdict.key_id] += 1
-            await alerter.check(Rule.SAFETY_VIOLATIONS, thresholds(Rule.SAFETY_VIOLATIONS, "", ab, tiers), before,
+            await alerter.check(Rule.SAFETY_VIOLATIONS, thresholds(Rule.SAFETY_VIOLATIONS, ab), before,
                                 before + 1, key_id=verdict.key_id, org_id=verdict.org_id or "", tier="", at_s=at)
 
     @app.agent(raw_topic(app, settings, TOPICS.usage))
     async def token_velocity(stream: Any) -> None:
         async for usage, at in keyed(stream, usage_codec, "usage-by-key"):
+            limits = await granted.of(usage.org_id, usage.tier)
             before = velocity[usage.key_id].current()
             velocity[usage.key_id] += usage.completion_tokens
-            await alerter.check(Rule.TOKEN_VELOCITY, thresholds(Rule.TOKEN_VELOCITY, usage.tier, ab, tiers), before,
+            await alerter.check(Rule.TOKEN_VELOCITY, thresholds(Rule.TOKEN_VELOCITY, ab, limits), before,
                                 before + usage.completion_tokens, key_id=usage.key_id, org_id=usage.org_id,
                                 tier=usage.tier, at_s=at)
+
+    @app.task
+    async def follow_registry() -> None:
+        await granted.follow()
 
     @app.task
     async def restore_suspensions() -> None:
