@@ -125,16 +125,40 @@ def create_org(
     _print_orgs([org], as_json)
 
 
+def _limit(value: str | None, option: str) -> int | None:
+    """A limit option of ``orgs update``: a number, or 'tier' (back to the tier's)."""
+    if value is None or value == "tier":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise typer.BadParameter("a whole number, or 'tier' for the tier's limit", param_hint=option) from None
+
+
 @orgs_app.command("update")
 def update_org(
     org_id: str = typer.Argument(...),
     tier: str | None = typer.Option(None, help="A new tier."),
+    name: str | None = typer.Option(None, help="A new label for humans."),
+    rpm: str | None = typer.Option(None, help="Requests per minute, instead of the tier's ('tier': the tier's)."),
+    tpm: str | None = typer.Option(None, help="Tokens per minute, instead of the tier's ('tier': the tier's)."),
+    concurrent: str | None = typer.Option(None, help="Requests in flight at once, instead of the tier's ('tier': "
+                                                     "the tier's)."),
     budget_usd: str | None = typer.Option(None, help="A new monthly budget in USD ('none' removes it)."),
     as_json: bool = JSON,
 ) -> None:
-    """Change an org's tier or budget (at once, on every gateway)."""
+    """Change what create set: tier, name, limits or budget (on every gateway within a second). Only the options
+    given change."""
+    limits = {field: _limit(value, option) for field, option, value in (
+        ("requests_per_minute", "--rpm", rpm), ("tokens_per_minute", "--tpm", tpm),
+        ("max_concurrent", "--concurrent", concurrent)) if value is not None}
+
     def change() -> OrgUpdate:
         fields: dict[str, object] = {"tier": tier} if tier else {}
+        if name is not None:
+            fields["name"] = name
+        if limits:
+            fields["limits"] = limits
         if budget_usd is not None:
             fields["monthly_budget_usd"] = None if budget_usd == "none" else Decimal(budget_usd)
         return OrgUpdate.model_validate(fields)
@@ -166,7 +190,8 @@ def create(
 
 @app.command("create-admin")
 def create_admin(name: str = typer.Option("operator", help="A label for humans.")) -> None:
-    """Create an admin key (the admin HTTP API only) and print its secret (shown once)."""
+    """Create a platform operator key (an admin key of the operators org: it administers every org, on the admin
+    HTTP API only) and print its secret (shown once). The HTTP API never makes one."""
     _print_issued(_run(lambda admin: admin.issue_key(OPERATORS_ORG, "enterprise", KeyCreate(name=name, admin=True))))
 
 

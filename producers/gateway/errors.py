@@ -174,7 +174,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(TenancyError)
     async def _tenancy(_request: Request, exc: TenancyError) -> JSONResponse:
-        return ApiError(exc.status, exc.message, param=exc.param, code=exc.code).response()
+        kind = "permission_error" if exc.status == 403 else "invalid_request_error"
+        return ApiError(exc.status, exc.message, type=kind, param=exc.param, code=exc.code).response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:

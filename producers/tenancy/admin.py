@@ -1,6 +1,12 @@
 """The tenancy use cases: create, list, update orgs; issue, list, rotate and revoke keys. The admin HTTP API and
 ``kns orgs`` / ``kns keys`` are thin adapters over ``TenancyAdmin``.
 
+Each use case acts within a :class:`Scope`. A platform operator (an admin key of the operators org, or the CLI)
+administers every org. An admin key of any other org is that org's admin: it sees and changes its own org alone
+(another org, or a key of another org, is not found, as another tenant's objects are not found anywhere else), may
+set its limits up to its tier's (never raise them past both the tier's and what it has), and may not change its
+tier or create orgs. Platform operator keys are made by the CLI alone, never over HTTP.
+
 Each change is a Kafka transaction of records on the compacted registry topics, the record of truth (as a schema
 registry keeps its schemas). Changes are serialised across every process by one transactional id: a change starts
 its producer with that id, which fences any change still open elsewhere (that one fails with 409
@@ -16,7 +22,7 @@ import asyncio
 import logging
 import re
 import secrets
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -29,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from producers.gateway.keys import hash_key, new_secret
 from runtime.kafka_clients import make_producer
-from runtime.settings import KafkaSettings, Settings
+from runtime.settings import KafkaSettings, Settings, TierPolicy
 from runtime.tenancy import TenancyView
 from schemas.codec import codec_for
 from schemas.events import Event, KeyRecord, LimitOverrides, OrgRecord, utcnow
@@ -56,6 +62,40 @@ class TenancyError(Exception):
 
 def _not_found(what: str, ident: str) -> TenancyError:
     return TenancyError(404, f"No {what} with id '{ident}'.", f"{what.replace(' ', '_')}_not_found")
+
+
+def _forbidden(message: str, param: str | None = None) -> TenancyError:
+    return TenancyError(403, message, "insufficient_permissions", param=param)
+
+
+#: the org operators' admin keys belong to
+OPERATORS_ORG = "operators"
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Whom a use case acts for (see the module's docstring)."""
+
+    #: the one org it administers; None: every org (a platform operator)
+    org_id: str | None = None
+    #: may issue admin keys of the operators org (platform operator keys): the CLI only, never the HTTP API
+    mints_operators: bool = False
+
+    @property
+    def operator(self) -> bool:
+        return self.org_id is None
+
+    def sees(self, org_id: str) -> bool:
+        return self.org_id is None or self.org_id == org_id
+
+
+#: the CLI and the operators' tools (provisioning, benches, tests)
+PLATFORM = Scope(mints_operators=True)
+
+
+def scope_of(admin_key: KeyRecord) -> Scope:
+    """An admin key's scope over HTTP: a platform operator's for the operators org's keys, else its own org's."""
+    return Scope() if admin_key.org_id == OPERATORS_ORG else Scope(org_id=admin_key.org_id)
 
 
 class _Input(BaseModel):
@@ -226,10 +266,10 @@ def _overrides(limits: Limits) -> LimitOverrides:
 
 
 class TenancyAdmin:
-    def __init__(self, view: TenancyView, writer: RegistryWriter, tiers: Collection[str]) -> None:
+    def __init__(self, view: TenancyView, writer: RegistryWriter, tiers: Mapping[str, TierPolicy]) -> None:
         self.view = view
         self._writer = writer
-        self._tiers = tuple(tiers)
+        self._tiers = dict(tiers)
 
     # --- orgs -----------------------------------------------------------------------------------------
 
@@ -238,16 +278,18 @@ class TenancyAdmin:
             raise TenancyError(400, f"Unknown tier '{tier}': one of {', '.join(self._tiers)}.", "unknown_tier",
                                param="tier")
 
-    def org(self, org_id: str) -> OrgRecord:
-        org = self.view.orgs.get(org_id)
+    def org(self, org_id: str, scope: Scope = PLATFORM) -> OrgRecord:
+        org = self.view.orgs.get(org_id) if scope.sees(org_id) else None
         if org is None:
             raise _not_found("organization", org_id)
         return org
 
-    def orgs(self) -> list[OrgRecord]:
-        return sorted(self.view.orgs.values(), key=lambda o: o.org_id)
+    def orgs(self, scope: Scope = PLATFORM) -> list[OrgRecord]:
+        return sorted((o for o in self.view.orgs.values() if scope.sees(o.org_id)), key=lambda o: o.org_id)
 
-    async def create_org(self, spec: OrgCreate) -> OrgRecord:
+    async def create_org(self, spec: OrgCreate, scope: Scope = PLATFORM) -> OrgRecord:
+        if not scope.operator:
+            raise _forbidden("Only a platform operator creates organizations.")
         self._check_tier(spec.tier)
         async with self._writer.change() as records:
             if spec.org_id in self.view.orgs:
@@ -260,12 +302,14 @@ class TenancyAdmin:
             records.append(org)
         return org
 
-    async def update_org(self, org_id: str, change: OrgUpdate) -> OrgRecord:
+    async def update_org(self, org_id: str, change: OrgUpdate, scope: Scope = PLATFORM) -> OrgRecord:
         if change.tier is not None:
             self._check_tier(change.tier)
         given = change.model_fields_set
         async with self._writer.change() as records:
-            org = self.org(org_id)
+            org = self.org(org_id, scope)
+            if not scope.operator:
+                self._check_org_admins_change(org, change)
             limits = org.limits
             if change.limits is not None:  # only the limits given change; null: back to the tier's
                 limits = limits.model_copy(update={f: getattr(change.limits, f)
@@ -282,35 +326,55 @@ class TenancyAdmin:
             records.append(updated)
         return updated
 
+    def _check_org_admins_change(self, org: OrgRecord, change: OrgUpdate) -> None:
+        """An org admin keeps its tier, and sets each limit up to its tier's (or lowers it from what it has)."""
+        if change.tier is not None and change.tier != org.tier:
+            raise _forbidden("An org admin cannot change its organization's tier; a platform operator can.",
+                             param="tier")
+        if change.limits is None:
+            return
+        policy = self._tiers[org.tier] if org.tier in self._tiers else next(iter(self._tiers.values()))
+        for field in change.limits.model_fields_set:
+            tiers = getattr(policy, field)
+            wanted = getattr(change.limits, field) or tiers
+            has = getattr(org.limits, field) or tiers
+            if wanted > max(tiers, has):
+                raise _forbidden(f"{field} {wanted} is above the {org.tier} tier's {tiers}: an org admin sets its "
+                                 "limits up to its tier's; a platform operator can grant more.",
+                                 param=f"limits.{field}")
+
     # --- keys -----------------------------------------------------------------------------------------
 
-    def keys(self, org_id: str) -> list[KeyRecord]:
-        self.org(org_id)
+    def keys(self, org_id: str, scope: Scope = PLATFORM) -> list[KeyRecord]:
+        self.org(org_id, scope)
         return self.view.keys_of_org(org_id)
 
-    def key(self, key_id: str) -> KeyRecord:
+    def key(self, key_id: str, scope: Scope = PLATFORM) -> KeyRecord:
         records = self.view.keys_of(key_id)
-        if not records:
+        if not records or not scope.sees(records[0].org_id):
             raise _not_found("api key", key_id)
         return records[0]
 
-    async def create_key(self, org_id: str, spec: KeyCreate) -> IssuedKey:
+    async def create_key(self, org_id: str, spec: KeyCreate, scope: Scope = PLATFORM) -> IssuedKey:
         if spec.expires_at is not None and spec.expires_at <= utcnow():
             raise TenancyError(400, "expires_at must be in the future.", "invalid_expiry", param="expires_at")
         secret = new_secret()
         async with self._writer.change() as records:
-            self.org(org_id)
+            self.org(org_id, scope)
+            if spec.admin and org_id == OPERATORS_ORG and not scope.mints_operators:
+                raise _forbidden("Platform operator keys are made with the CLI (`kns keys create-admin`), never "
+                                 "over HTTP.", param="admin")
             record = KeyRecord(key_hash=hash_key(secret), key_id="key_" + secrets.token_hex(8), org_id=org_id,
                                name=spec.name, admin=spec.admin, models=spec.models, expires_at=spec.expires_at,
                                created_at=utcnow())
             records.append(record)
         return IssuedKey(secret, record)
 
-    async def rotate_key(self, key_id: str, spec: KeyRotate) -> IssuedKey:
+    async def rotate_key(self, key_id: str, spec: KeyRotate, scope: Scope = PLATFORM) -> IssuedKey:
         """A new secret for the same key (same id, org, models, expiry); the old secrets stop after the grace."""
         secret = new_secret()
         async with self._writer.change() as records:
-            current = self.key(key_id)
+            current = self.key(key_id, scope)
             now = utcnow()
             if not current.usable_at(now):
                 raise TenancyError(409, f"API key '{key_id}' is revoked or expired.", "api_key_not_usable")
@@ -321,10 +385,10 @@ class TenancyAdmin:
                         if old.revoked_at is None or old.revoked_at > ends]
         return IssuedKey(secret, record)
 
-    async def revoke_key(self, key_id: str) -> KeyRecord:
+    async def revoke_key(self, key_id: str, scope: Scope = PLATFORM) -> KeyRecord:
         """Every secret of the key stops working, on every gateway, within the fetch latency. Idempotent."""
         async with self._writer.change() as records:
-            self.key(key_id)
+            self.key(key_id, scope)
             now = utcnow()
             records += [r.model_copy(update={"revoked_at": now}) for r in self.view.keys_of(key_id)
                         if r.revoked_at is None or r.revoked_at > now]
@@ -366,8 +430,6 @@ class TenancyAdmin:
         return True
 
 
-#: the org operators' admin keys belong to
-OPERATORS_ORG = "operators"
 #: limits no load a benchmark or a test sends reaches: for orgs that measure or test something else
 UNLIMITED = Limits(requests_per_minute=10**9, tokens_per_minute=10**12, max_concurrent=10**6)
 

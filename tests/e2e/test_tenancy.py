@@ -5,6 +5,7 @@ a 4xx in OpenAI's error shape that writes nothing."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -15,7 +16,7 @@ import pytest
 
 from producers.tenancy.admin import OPERATORS_ORG
 from tests.conftest import GATEWAY_PORT, Caller
-from tests.e2e.conftest import MODEL, QUESTION
+from tests.e2e.conftest import MODEL, QUESTION, kns
 from tests.helpers import ServiceProcess, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -196,3 +197,96 @@ async def test_bad_admin_input_gets_a_4xx_in_openai_shape_and_writes_nothing(gat
         assert unchanged["tier"] == "plus"
         listed = (await _admin(http, admin_key, "GET", f"/orgs/{org}/keys")).json()["data"]
         assert len(listed) == 1 and "value" not in listed[0]
+
+
+async def _limits_in_force(http: httpx.AsyncClient, port: int, secret: str) -> dict[str, str]:
+    """The limits a gateway admits the key's requests against, as the headers of its answer say (the org has a
+    budget of 0: every request is refused at once, with those headers, and nothing is generated)."""
+    answer = await http.post(_url(port, "/v1/chat/completions"), headers=_auth(secret),
+                             json={"model": MODEL, "messages": QUESTION, "max_tokens": 1})
+    assert answer.status_code == 429 and answer.json()["error"]["code"] == "insufficient_quota", answer.text
+    return {kind: answer.headers[f"x-ratelimit-limit-{kind}"] for kind in ("requests", "tokens")}
+
+
+@pytest.mark.timeout(240)  # two CLI runs (each reads the registry)
+async def test_orgs_update_changes_every_limit_create_sets_and_every_gateway_applies_a_change_within_a_second(
+        three_gateways: tuple[int, ...], admin_key: str, service_env: dict[str, str]) -> None:
+    org = _new_org()
+    created = await asyncio.to_thread(kns, service_env, "orgs", "create", org, "--tier", "free", "--rpm", "60",
+                                      "--concurrent", "500", "--json")
+    assert created.returncode == 0, created.stdout + created.stderr
+    assert json.loads(created.stdout)[0]["limits"] == {
+        "requests_per_minute": 60, "tokens_per_minute": None, "max_concurrent": 500}
+    updated = await asyncio.to_thread(kns, service_env, "orgs", "update", org, "--rpm", "90", "--tpm", "30000",
+                                      "--concurrent", "tier", "--name", "Renamed", "--budget-usd", "0", "--json")
+    assert updated.returncode == 0, updated.stdout + updated.stderr
+    org_json = json.loads(updated.stdout)[0]
+    assert org_json["limits"] == {"requests_per_minute": 90, "tokens_per_minute": 30000, "max_concurrent": None}
+    assert (org_json["name"], org_json["tier"], org_json["monthly_budget_usd"]) == ("Renamed", "free", "0")
+    refused = await asyncio.to_thread(kns, service_env, "orgs", "update", org, "--rpm", "lots")
+    assert refused.returncode == 2 and "--rpm" in refused.stdout + refused.stderr
+
+    async with httpx.AsyncClient(timeout=30) as http:
+        issued = await _admin(http, admin_key, "POST", f"/orgs/{org}/keys", {"name": "k"})
+        secret = issued.json()["value"]
+        for port in three_gateways:
+            assert await _limits_in_force(http, port, secret) == {"requests": "90", "tokens": "30000"}
+
+        patched = await _admin(http, admin_key, "PATCH", f"/orgs/{org}",
+                               {"limits": {"requests_per_minute": 120, "tokens_per_minute": None}},
+                               port=three_gateways[1])
+        assert patched.status_code == 200, patched.text
+        acknowledged = time.monotonic()
+
+        async def applied_after(port: int) -> float:
+            while True:
+                if await _limits_in_force(http, port, secret) == {"requests": "120", "tokens": "20000"}:
+                    return time.monotonic() - acknowledged
+                await asyncio.sleep(0.02)
+
+        delays = await asyncio.wait_for(asyncio.gather(*(applied_after(p) for p in three_gateways)), 10)
+    assert max(delays) < 1.0, f"the new limits reached the gateways after {delays} s"
+
+
+async def test_an_org_admin_administers_its_own_org_alone(gateway: ServiceProcess, admin_key: str) -> None:
+    """Review finding M4: an admin key of any org administered every org."""
+    async with httpx.AsyncClient(timeout=30) as http:
+        own, _ = await _org_with_key(http, admin_key)
+        victim, victims_key = await _org_with_key(http, admin_key)
+        minted = await _admin(http, admin_key, "POST", f"/orgs/{own}/keys", {"name": "org admin", "admin": True})
+        assert minted.status_code == 201 and minted.json()["admin"] is True, minted.text
+        org_admin = minted.json()["value"]
+        operator = await _admin(http, admin_key, "POST", f"/orgs/{OPERATORS_ORG}/keys", {"admin": True})
+        assert operator.status_code == 403 and operator.json()["error"]["param"] == "admin", operator.text
+
+        listed = await _admin(http, org_admin, "GET", "/orgs")
+        assert [o["id"] for o in listed.json()["data"]] == [own]
+        for method, path, body in [("GET", f"/orgs/{victim}", None), ("PATCH", f"/orgs/{victim}", {"name": "x"}),
+                                   ("GET", f"/orgs/{victim}/keys", None), ("POST", f"/orgs/{victim}/keys", {}),
+                                   ("GET", f"/keys/{victims_key['id']}", None),
+                                   ("POST", f"/keys/{victims_key['id']}/rotate", {}),
+                                   ("DELETE", f"/keys/{victims_key['id']}", None),
+                                   ("POST", f"/orgs/{OPERATORS_ORG}/keys", {"admin": True})]:
+            answer = await _admin(http, org_admin, method, path, body)
+            assert answer.status_code == 404, (method, path, answer.text)
+        for body, param in [({"tier": "enterprise"}, "tier"),
+                            ({"limits": {"requests_per_minute": 601}}, "limits.requests_per_minute")]:
+            answer = await _admin(http, org_admin, "PATCH", f"/orgs/{own}", body)
+            assert answer.status_code == 403 and answer.json()["error"] | {"message": ""} == {
+                "message": "", "type": "permission_error", "param": param, "code": "insufficient_permissions"}
+        created = await _admin(http, org_admin, "POST", "/orgs", {"org_id": _new_org(), "tier": "enterprise"})
+        assert created.status_code == 403, created.text
+
+        # its own org it administers: limits within the tier, budget, keys (an org admin of its own too)
+        lowered = await _admin(http, org_admin, "PATCH", f"/orgs/{own}",
+                               {"limits": {"requests_per_minute": 100}, "monthly_budget_usd": "50"})
+        assert lowered.status_code == 200 and lowered.json()["limits"]["requests_per_minute"] == 100, lowered.text
+        key = await _admin(http, org_admin, "POST", f"/orgs/{own}/keys", {"name": "ci"})
+        assert key.status_code == 201 and key.json()["org_id"] == own
+        assert (await http.get(_url(GATEWAY_PORT, "/v1/models"), headers=_auth(key.json()["value"]))).status_code == 200
+
+        # the victim is as it was, and its key still works
+        unchanged = (await _admin(http, admin_key, "GET", f"/orgs/{victim}")).json()
+        assert (unchanged["name"], unchanged["tier"]) == (victim, "plus")
+        served = await http.get(_url(GATEWAY_PORT, "/v1/models"), headers=_auth(victims_key["value"]))
+        assert served.status_code == 200
