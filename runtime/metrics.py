@@ -58,6 +58,9 @@ GATEWAY_HANDOVERS = Counter(
     "kns_gateway_stream_handovers_total", "Streams this gateway closed while stopping, for their clients to resume "
     "elsewhere (the generation goes on)"
 )
+GATEWAY_EARLY_REFUSALS = Counter(
+    "kns_gateway_early_refusals_total", "Requests refused before any work on them (producers/gateway/early.py): a "
+    "refusal remembered, or too many of the key's requests being prepared at once", ["reason"])
 GATEWAY_READ_WAITS = Histogram(
     "kns_gateway_read_wait_seconds", "Reads that waited for a row the writer had yet to write after its create "
     "returned (read-your-writes: written, or timed_out)", ["outcome"], buckets=_FAST

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -199,9 +200,10 @@ class Admission:
 
 def over_budget(refused: Refused, key: ApiKey, budget: BudgetHold | None) -> ApiError:
     hold = f" (this request may cost up to ${budget.hold_nanos / 1e9:.9f})" if budget else ""
-    return ApiError(429, f"You exceeded your current quota: organization {key.org_id}'s monthly budget of "
-                         f"${refused.value / 1e9:.2f} is spent{hold}. Raise the budget to be served again.",
-                    type="insufficient_quota", code="insufficient_quota", headers=refused.headers())
+    return LimitRefusal(refused, 429, f"You exceeded your current quota: organization {key.org_id}'s monthly budget of "
+                                      f"${refused.value / 1e9:.2f} is spent{hold}. Raise the budget to be served "
+                                      "again.", type="insufficient_quota", code="insufficient_quota",
+                        headers=refused.headers())
 
 
 def read_limited(refused: ReadDecision, key: ApiKey) -> ApiError:
@@ -212,6 +214,14 @@ def read_limited(refused: ReadDecision, key: ApiKey) -> ApiError:
     return ApiError(429, f"Rate limit reached for {where} on reads per min (list reads and stream resumes): "
                          f"Limit {refused.value}. Please try again in {wait_s:.3g}s.",
                     type="requests", code="rate_limit_exceeded", headers=headers)
+
+
+class LimitRefusal(ApiError):
+    """A 429 of the limiter's, saying which limit of whose refused (``early.py`` remembers some)."""
+
+    def __init__(self, refused: Refused, status: int, message: str, **fields: Any) -> None:
+        super().__init__(status, message, **fields)
+        self.limit, self.scope = refused.limit, refused.scope
 
 
 def rate_limited(refused: Refused, tokens: int, key: ApiKey) -> ApiError:
@@ -227,4 +237,4 @@ def rate_limited(refused: Refused, tokens: int, key: ApiKey) -> ApiError:
         message = (f"Rate limit reached for {where} on {what}: Limit {refused.value}. "
                    f"Please try again in {wait_s:.3g}s.")
     kind = "tokens" if refused.limit == "tokens" else "requests"
-    return ApiError(429, message, type=kind, code="rate_limit_exceeded", headers=headers)
+    return LimitRefusal(refused, 429, message, type=kind, code="rate_limit_exceeded", headers=headers)

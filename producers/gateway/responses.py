@@ -77,6 +77,12 @@ class ResponsesService:
                      traceparent: str) -> tuple[Accepted, ResponseView]:
         received_at = time.perf_counter()
         self._chat.check_model(body.model, key)
+        with self._chat.preparing(key):  # a throttled key buys no history read, no chain walk, no turn wait
+            return await self._create(body, key, client_addr=client_addr, traceparent=traceparent,
+                                      received_at=received_at)
+
+    async def _create(self, body: ResponseCreate, key: ApiKey, *, client_addr: str | None, traceparent: str,
+                      received_at: float) -> tuple[Accepted, ResponseView]:
         response_id = new_response_id()
         planned = await self._turns.plan(TurnAsk(
             api="responses", org_id=key.org_id, new_input=body.input_messages(),

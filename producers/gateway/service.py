@@ -28,6 +28,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -36,6 +37,7 @@ from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
 from producers.gateway.admission import Admission, Ticket
+from producers.gateway.early import EarlyRefusals
 from producers.gateway.errors import (
     ApiError,
     bad_request,
@@ -64,7 +66,7 @@ from runtime.metrics import (
     GATEWAY_TOKENS_OUT,
     GATEWAY_TTFT,
 )
-from runtime.settings import GatewaySettings, TierPolicy
+from runtime.settings import GatewaySettings, TierPolicy, TierTable
 from runtime.spend import BudgetHold
 from runtime.streams import StreamDirectory, StreamRecord
 from schemas.events import (
@@ -154,7 +156,8 @@ class ChatService:
     def __init__(self, gateway: GatewaySettings, prompts: PromptBuilder, publisher: EventPublisher,
                  relay: Relay, reply_partition: int, gateway_id: str, *, admission: Admission,
                  tiers: Mapping[str, TierPolicy] | None = None, streams: StreamDirectory | None = None,
-                 turns: TurnPlanner | None = None, pending: PendingWrites | None = None) -> None:
+                 turns: TurnPlanner | None = None, pending: PendingWrites | None = None,
+                 early: EarlyRefusals | None = None) -> None:
         self._settings = gateway
         self._admission = admission
         self._tiers = dict(tiers or {})
@@ -165,6 +168,7 @@ class ChatService:
         self._streams = streams
         self._turns = turns
         self._pending = pending
+        self._early = early or EarlyRefusals(TierTable.model_validate(dict(self._tiers)))
         self._background: set[asyncio.Task[None]] = set()
         #: the streams being answered (handed over when the gateway stops)
         self._open: dict[str, Accepted] = {}
@@ -200,24 +204,25 @@ class ChatService:
                      traceparent: str) -> Accepted:
         received_at = time.perf_counter()
         self.check_model(body.model, key)
-        messages = to_event_messages(body)
-        turn: Turn | None = None
-        if body.conversation_id is not None:
-            if self._turns is None:
-                raise unavailable("Conversations are not available on this gateway.")
-            planned = await self._turns.plan(TurnAsk(
-                api="chat", org_id=key.org_id, new_input=messages, conversation_id=body.conversation_id,
-                max_output_tokens=body.requested_max_tokens, truncation="auto", param="conversation_id"))
-            messages, prompt_ids, turn = planned.messages, planned.prompt_ids, planned.turn
-        else:
-            prompt_ids = await self._prompts.tokens(messages)
-        sampling = self._prompts.sampling(body, len(prompt_ids))
-        request = self.new_request(
-            f"chatcmpl-{uuid.uuid4().hex}", key, body.model, messages, prompt_ids, sampling,
-            stream=body.stream, conversation_id=body.conversation_id, user=body.user, client_addr=client_addr,
-            store=bool(body.store), metadata=body.metadata or {}, turn=turn)
-        accepted = await self.submit(request, key, traceparent=traceparent, received_at=received_at,
-                                     include_usage=body.include_usage)
+        with self.preparing(key):  # a throttled key buys no rendering, no history read, no turn wait
+            messages = to_event_messages(body)
+            turn: Turn | None = None
+            if body.conversation_id is not None:
+                if self._turns is None:
+                    raise unavailable("Conversations are not available on this gateway.")
+                planned = await self._turns.plan(TurnAsk(
+                    api="chat", org_id=key.org_id, new_input=messages, conversation_id=body.conversation_id,
+                    max_output_tokens=body.requested_max_tokens, truncation="auto", param="conversation_id"))
+                messages, prompt_ids, turn = planned.messages, planned.prompt_ids, planned.turn
+            else:
+                prompt_ids = await self._prompts.tokens(messages)
+            sampling = self._prompts.sampling(body, len(prompt_ids))
+            request = self.new_request(
+                f"chatcmpl-{uuid.uuid4().hex}", key, body.model, messages, prompt_ids, sampling,
+                stream=body.stream, conversation_id=body.conversation_id, user=body.user, client_addr=client_addr,
+                store=bool(body.store), metadata=body.metadata or {}, turn=turn)
+            accepted = await self.submit(request, key, traceparent=traceparent, received_at=received_at,
+                                         include_usage=body.include_usage)
         if turn is not None and self._turns is not None:
             self._spawn(self._turns.started(request))
         return accepted
@@ -249,10 +254,22 @@ class ChatService:
         if self._handing_over:
             accepted.collector.fail("the gateway is stopping", ErrorCode.GATEWAY_STOPPING)
 
+    def preparing(self, key: ApiKey) -> AbstractContextManager[None]:
+        """Around a request's work before its admission (``early.py``): refused at once when a refusal of its key's
+        is remembered, or too many of its requests are being prepared here."""
+        return self._early.preparing(key)
+
+    def refuse_early(self, key: ApiKey) -> None:
+        """Before even reading a request's body: a refusal of its key's remembered (``early.py``)."""
+        self._early.check(key)
+
     async def _admit(self, request_id: str, tokens: int, key: ApiKey, budget: BudgetHold | None) -> Ticket:
         admitting = asyncio.ensure_future(self._admission.admit(request_id, tokens, key, budget))
         try:
             return await asyncio.shield(admitting)
+        except ApiError as exc:
+            self._early.remember(key, exc)  # its next requests are refused before any work, while it holds
+            raise
         except asyncio.CancelledError:
             # The client left while Redis was deciding: a slot it was given must not stay taken until its lease ends
             self._spawn(self._give_back(admitting))
