@@ -110,14 +110,18 @@ def build(settings: Settings) -> faust.App:
         except (RedisError, OSError) as exc:  # they lapse with the reservation's TTL
             log.warning("could not settle a refused request", extra={"request_id": request_id, "error": repr(exc)})
 
-    async def end_here(request: ChatRequest, final: TokenEvent) -> None:
+    async def end_here(request: ChatRequest, final: TokenEvent, *, stored: bool = True) -> None:
         """Answer a request that is never generated: its final event, and its record when it keeps one (a stored
-        completion, a turn: its response row says how it ended instead of staying unknown)."""
+        completion, a turn: its response row says how it ended instead of staying unknown). ``stored=False``: not
+        among the org's stored completions whatever its ``store`` (a refused prompt is not stored), a turn is still
+        recorded."""
         await tokens.send(key=request.request_id.encode(), value=encode_token(final),
                           partition=request.reply.partition)
-        if request.keeps_record:
-            await records.send(key=request.request_id.encode(),
-                               value=record_codec.encode(StoredCompletion.of(request, "", final)))
+        record = StoredCompletion.of(request, "", final)
+        if not stored:
+            record = record.model_copy(update={"listed": False})
+        if record.listed or record.turn is not None:
+            await records.send(key=request.request_id.encode(), value=record_codec.encode(record))
         await unbilled(request.request_id)
 
     async def send_verdict(event: SafetyVerdict) -> None:
@@ -154,7 +158,7 @@ def build(settings: Settings) -> faust.App:
         verdicts = await prompts.verdicts([request for _, request in batch])
         for (event, request), verdict in zip(batch, verdicts, strict=True):
             if verdict.blocked:
-                await end_here(request, refusal(request))
+                await end_here(request, refusal(request), stored=False)
             else:
                 await work_queues[tiers.policy(request.tier).priority].send(
                     key=event.key, value=event.value, headers=event.message.headers)
