@@ -42,7 +42,7 @@ from schemas.events import (
     utcnow,
 )
 from schemas.headers import reply_address
-from schemas.topics import PRIORITIES, TOPICS
+from schemas.topics import TOPICS
 from stream_processors.app import DeadLetters, build_app, raw_topic
 from stream_processors.safety.classifier import SafetyClassifier, Verdict, make_classifier
 from stream_processors.safety.policy import (
@@ -53,6 +53,7 @@ from stream_processors.safety.policy import (
     refusal,
     unreadable,
     verdict_event,
+    work_queue,
 )
 from stream_processors.safety.screening import PromptScreen, classify_many, counted
 
@@ -92,7 +93,7 @@ def build(settings: Settings) -> faust.App:
     redis = make_redis(settings.redis)
     dead = DeadLetters(app, settings, "safety")
     tokens = raw_topic(app, settings, TOPICS.tokens)
-    work_queues = {p: raw_topic(app, settings, TOPICS.admitted(p)) for p in PRIORITIES}
+    work_queues = {spec.name: raw_topic(app, settings, spec) for spec in TOPICS.work_queues()}
     tiers = settings.tenancy.tiers
     verdicts, control = raw_topic(app, settings, TOPICS.verdicts), raw_topic(app, settings, TOPICS.control)
     records, record_codec = raw_topic(app, settings, TOPICS.stored_completions), codec_for(StoredCompletion)
@@ -160,7 +161,7 @@ def build(settings: Settings) -> faust.App:
             if verdict.blocked:
                 await end_here(request, refusal(request), stored=False)
             else:
-                await work_queues[tiers.policy(request.tier).priority].send(
+                await work_queues[work_queue(request, tiers).name].send(
                     key=event.key, value=event.value, headers=event.message.headers)
             SAFETY_PREFILTER_DELAY.observe(max(0.0, time.time() - event.message.timestamp))
             await send_verdict(verdict_event(request.request_id, SafetyStage.PRE, verdict, classifier.name,
