@@ -136,7 +136,8 @@ async def stream_capacity(settings: Settings, levels: list[int], tokens: int, ra
                                               "KNS_OBSERVABILITY__LOG_LEVEL": "WARNING"})
     if source == "tokens":
         procs = [_token_source(procs[-1].env, rate, placement.load_cpus), procs[-1]]
-    metrics_ports = [port + 50 + i for i in range(gateway_processes)] if gateway_processes > 1 else [port]
+    # each gateway process's internal port (its metrics): the fleet's own ports, or the one process's port + 50
+    metrics_ports = [port + 50 + i for i in range(gateway_processes)]
     infra = infra_pids(settings)
     out: dict[str, Any] = {"tokens_per_stream": tokens, "tokens_per_s_per_stream": rate, "ramp_s": ramp_s,
                            "record_version": record_version, "gateway_processes": gateway_processes,

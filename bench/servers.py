@@ -182,4 +182,5 @@ async def our_side(settings: Settings, gateway_port: int, worker_port: int, name
                 f"at nice {settings.cpu.yield_nice}, threads and sessions, the stack's Kafka at "
                 f"{settings.cpu.kafka_nice}, the engine's at 0; engine {args}"
                 + "".join(f"; {name}={value}" for name, value in engine_env(settings.engine).items()),
-                metrics_urls=[f"http://127.0.0.1:{gateway_port}/metrics", f"http://127.0.0.1:{worker_port}/metrics"])
+                metrics_urls=[f"http://127.0.0.1:{gateway_port + 50}/metrics",  # the gateway's internal port
+                              f"http://127.0.0.1:{worker_port}/metrics"])

@@ -169,10 +169,13 @@ class GatewaySettings(BaseModel):
     instance_id: str = ""
     max_body_bytes: int = 1 * 1024 * 1024
     # ``kns gateway --processes N`` (``producers/gateway/fleet.py``): N processes listen on ``port`` together
-    # (SO_REUSEPORT: the kernel spreads connections over them), each with its own reply partition, and each answers
-    # on a port of its own too (``own_port``; 0: none), for the metrics and health of that process alone.
+    # (SO_REUSEPORT: the kernel spreads connections over them), each with its own reply partition.
     reuse_port: bool = False
+    # Each process also answers on an internal port of its own (``own_port``; 0: ``port`` + 50), on
+    # ``internal_host``: the only port that serves ``/metrics`` and the detailed ``/health`` (the public port's
+    # /health says only whether it serves). Keep it off the public network, as the worker's admin port.
     own_port: int = 0
+    internal_host: str = "127.0.0.1"
     reply_lease_ttl_s: float = 15.0
     #: each renewal also refreshes this process's liveness key, which lives ``liveness_ttl_s``: a dead gateway's
     #: streams are cancelled (and their billing stopped) that soon after it dies
@@ -216,6 +219,10 @@ class GatewaySettings(BaseModel):
     # Turns of one conversation are keyed by it on the work queue: one partition, hence one worker and its prefix
     # cache. Off: keyed by request id (what ``kns bench affinity`` compares against).
     conversation_affinity: bool = True
+
+    @property
+    def internal_port(self) -> int:
+        return self.own_port or self.port + 50
 
     @model_validator(mode="after")
     def _default_instance(self) -> GatewaySettings:

@@ -115,12 +115,19 @@ class KeySuspensions:
         self._known[key_id] = (started, reason)
         return reason
 
+    def last_known(self, key_id: str) -> str | None:
+        """Why the key was suspended when this gateway last read it, however long ago (None: not, or never read):
+        while Redis is down, a key known suspended here stays refused (``deps.authenticate``)."""
+        known = self._known.get(key_id)
+        return None if known is None else known[1]
+
     def _forget_old(self) -> None:
-        """Keep the memory bounded by the keys seen within the last interval."""
+        """Keep the memory bounded by the keys seen within the last interval, and the suspended ones (few) seen
+        at all (for :meth:`last_known`)."""
         if len(self._known) < 4096:
             return
         cutoff = self._clock() - self._remember_s
-        for key_id in [k for k, (at, _) in self._known.items() if at < cutoff]:
+        for key_id in [k for k, (at, reason) in self._known.items() if at < cutoff and reason is None]:
             del self._known[key_id]
 
     def start(self) -> None:

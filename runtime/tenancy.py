@@ -5,6 +5,14 @@ Nothing on the request path asks Cassandra or Redis who a key is: a revocation i
 applied by every gateway within its fetch latency. A lookup that misses first catches up with the topics' end
 offsets (one coalesced round trip for every miss waiting at that moment), so a key created a moment ago on any
 gateway works at once, and an unknown key is only refused after the view is known to be current.
+
+A secret still unknown after such a round is remembered as missed (``MISS_TTL_S``, at most ``MAX_MISSES`` hashes,
+the oldest forgotten first): presented again meanwhile it is refused at once, so a flood of one bad key (a leaked
+or revoked key retried by a script, a typo in a deployment) costs no Kafka round trip per request. A key record
+applied for a remembered hash forgets it, so a secret registered after it was tried (only ``register_secret`` can
+do that: issued secrets are new random ones) works as soon as this gateway applied its record; a key issued
+anywhere still works on every gateway at once. A flood of distinct bad keys shares the coalesced rounds: one
+ListOffsets in flight per gateway, whatever the flood.
 """
 
 from __future__ import annotations
@@ -13,7 +21,8 @@ import asyncio
 import enum
 import logging
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -35,6 +44,9 @@ _ORGS = codec_for(OrgRecord)
 #: the follow loop confirms the view is current this often; /health turns red when it has not been for a while
 CONFIRM_EVERY_S = 2.0
 STALE_AFTER_S = 10.0
+#: how long a secret found in no key record after a catch-up is refused without another, and how many are kept
+MISS_TTL_S = 10.0
+MAX_MISSES = 10_000
 _KEYS = codec_for(KeyRecord)
 
 
@@ -70,6 +82,11 @@ class ApiKey:
     def allows_model(self, model: str) -> bool:
         return not self.key.models or model in self.key.models
 
+    def may_see(self, org_id: str, model: str) -> bool:
+        """Whether the key may resume, read or cancel what ``model`` generated for ``org_id``: its own org's, of a
+        model its allow-list admits. Anything else is answered as not found (404), as another org's is."""
+        return org_id == self.org_id and self.allows_model(model)
+
 
 class Refusal(enum.Enum):
     """Why a secret does not authenticate."""
@@ -81,8 +98,14 @@ class Refusal(enum.Enum):
 
 class TenancyView:
     def __init__(self, kafka: KafkaSettings, *, dead_letters: DeadLetters | None = None,
-                 catch_up_timeout_s: float = 2.0) -> None:
+                 catch_up_timeout_s: float = 2.0, miss_ttl_s: float = MISS_TTL_S, max_misses: int = MAX_MISSES,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._kafka = kafka
+        #: key hash -> when a catch-up found no record of it (see the module's docstring), oldest first
+        self._misses: OrderedDict[str, float] = OrderedDict()
+        self._miss_ttl_s = miss_ttl_s
+        self._max_misses = max_misses
+        self._clock = clock
         self._dead_letters = dead_letters
         self._timeout = catch_up_timeout_s
         self._org_topic = kafka.topic(TOPICS.orgs.name)
@@ -138,10 +161,28 @@ class TenancyView:
     async def authenticate(self, key_hash: str) -> ApiKey | Refusal:
         """The caller behind ``key_hash``, or why it is refused ."""
         found = self._resolve(key_hash)
-        if found == Refusal.UNKNOWN:
-            await self.catch_up()
-            found = self._resolve(key_hash)
+        if found != Refusal.UNKNOWN or self._missed_lately(key_hash):
+            return found
+        current = await self.catch_up()
+        found = self._resolve(key_hash)
+        if found == Refusal.UNKNOWN and current:
+            self._missed(key_hash)
         return found
+
+    def _missed_lately(self, key_hash: str) -> bool:
+        at = self._misses.get(key_hash)
+        if at is None:
+            return False
+        if self._clock() - at < self._miss_ttl_s:
+            return True
+        del self._misses[key_hash]
+        return False
+
+    def _missed(self, key_hash: str) -> None:
+        self._misses[key_hash] = self._clock()
+        self._misses.move_to_end(key_hash)
+        while len(self._misses) > self._max_misses:
+            self._misses.popitem(last=False)
 
     def _resolve(self, key_hash: str) -> ApiKey | Refusal:
         key = self.keys.get(key_hash)
@@ -248,6 +289,7 @@ class TenancyView:
         except (DecodeError, ValidationError, UnicodeDecodeError) as exc:
             return f"undecodable: {exc}"
         self._forget_key(record.key_hash)
+        self._misses.pop(record.key_hash, None)
         self.keys[record.key_hash] = record
         self._hashes_of[record.key_id].add(record.key_hash)
         return None

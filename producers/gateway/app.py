@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 
 from billing.ledger import Ledger
 from billing.prices import LivePrices, PriceLead, PriceStore
@@ -21,7 +21,7 @@ from producers.gateway import errors
 from producers.gateway.admission import Admission
 from producers.gateway.budget import HoldPricer
 from producers.gateway.conversations import ConversationService
-from producers.gateway.deps import GatewayContext
+from producers.gateway.deps import GatewayContext, internal_only
 from producers.gateway.limits import BodySizeLimit
 from producers.gateway.local_limiter import LocalLimiter
 from producers.gateway.pending_writes import PendingWrites
@@ -163,8 +163,10 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(conversations.router)
     app.include_router(models.router)
     app.include_router(usage.router)
-    app.include_router(admin.router)
+    # The admin API is not in the public /openapi.json (its own: /v1/admin/openapi.json, for admin keys); /metrics
+    # only on the internal port (``routes/health.py``).
+    app.include_router(admin.router, include_in_schema=False)
     app.include_router(health.router)
-    app.include_router(metrics_router)
+    app.include_router(metrics_router, dependencies=[Depends(internal_only)])
     app.add_middleware(BodySizeLimit, max_bytes=settings.gateway.max_body_bytes)
     return app

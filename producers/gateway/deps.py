@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from billing.ledger import Ledger
 from producers.gateway.admission import LIMITER_DOWN, Admission
@@ -83,11 +84,12 @@ async def authenticate(request: Request, ctx: Context) -> ApiKey:
     try:
         suspended = await ctx.suspensions.reason(key.key_id)
     except LIMITER_DOWN:
-        # Redis down: a tier served without it (``when_redis_down: local``) skips the suspension list meanwhile
-        # (the detector suspends again once Redis is back); the others get the 503 a backing service's outage gets.
+        # Redis down: a tier served without it (``when_redis_down: local``) is refused only if this gateway last saw
+        # its key suspended (a key suspended meanwhile is served until Redis is back, when the detector's
+        # suspension takes effect); the others get the 503 a backing service's outage gets.
         if ctx.settings.tenancy.tiers.policy(key.tier).when_redis_down != "local":
             raise
-        suspended = None
+        suspended = ctx.suspensions.last_known(key.key_id)
     if suspended is not None:
         raise ApiError(403, f"This API key is suspended ({suspended}). An operator can lift the suspension.",
                        type="permission_error", code="key_suspended")
@@ -100,6 +102,18 @@ async def authenticate_admin(request: Request, ctx: Context) -> ApiKey:
         raise ApiError(403, "The admin API needs an admin key (`kns keys create-admin`).", type="permission_error",
                        code="insufficient_permissions")
     return key
+
+
+def on_internal_port(request: Request, settings: Settings) -> bool:
+    """Whether the request came in on the gateway's internal port (``gateway.internal_port``), not the public one."""
+    server = request.scope.get("server") or (None, None)
+    return server[1] == settings.gateway.internal_port
+
+
+async def internal_only(request: Request, ctx: Context) -> None:
+    """What only the internal port serves (``/metrics``) is not found on the public one, as any unknown URL."""
+    if not on_internal_port(request, ctx.settings):
+        raise StarletteHTTPException(404)
 
 
 Caller = Annotated[ApiKey, Depends(authenticate)]

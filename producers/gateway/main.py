@@ -66,9 +66,8 @@ def run() -> None:
     # uvicorn's defaults are for a handful of connections; a gateway holds thousands of idle streams.
     config = uvicorn.Config(app, host=own.host, port=own.port, log_config=None, access_log=False,
                             timeout_graceful_shutdown=10, backlog=4096)
-    sockets = [bound_socket(own.host, own.port, reuse_port=own.reuse_port)]
-    if own.own_port:
-        sockets.append(bound_socket(own.host, own.own_port, reuse_port=False))
+    sockets = [bound_socket(own.host, own.port, reuse_port=own.reuse_port),
+               bound_socket(own.internal_host, own.internal_port, reuse_port=False)]
     GatewayServer(config, app).run(sockets=sockets)
 
 

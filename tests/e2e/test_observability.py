@@ -86,7 +86,9 @@ async def scrape_until(url: str, before: str, sample: str, **labels: str) -> str
 
 
 async def test_metrics_are_exported(client: openai.OpenAI, stack: Settings) -> None:
-    gateway_url, worker_url = f"http://127.0.0.1:{GATEWAY_PORT}/metrics", f"http://127.0.0.1:{WORKER_ADMIN_PORT}/metrics"
+    # the gateway's metrics are served on its internal port only (its port + 50)
+    gateway_url = f"http://127.0.0.1:{GATEWAY_PORT + 50}/metrics"
+    worker_url = f"http://127.0.0.1:{WORKER_ADMIN_PORT}/metrics"
     # Counters add up over the whole session: what counts is what this one request moved.
     gateway_before, worker_before = scrape(gateway_url), scrape(worker_url)
     chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=16,

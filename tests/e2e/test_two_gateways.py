@@ -36,7 +36,9 @@ def second_gateway(gateway: ServiceProcess, service_env: dict[str, str]) -> Iter
 async def test_two_gateways_have_their_own_partitions_and_both_stream(second_gateway: ServiceProcess,
                                                                       caller: Caller) -> None:
     async with httpx.AsyncClient() as http:
-        health = [(await http.get(f"http://127.0.0.1:{port}/health")).json() for port in (GATEWAY_PORT, SECOND_PORT)]
+        # the details are on each gateway's internal port (its port + 50)
+        health = [(await http.get(f"http://127.0.0.1:{port + 50}/health")).json()
+                  for port in (GATEWAY_PORT, SECOND_PORT)]
     assert health[0]["reply_partition"] != health[1]["reply_partition"]
 
     async def ask(port: int) -> str:
@@ -51,11 +53,11 @@ async def test_two_gateways_have_their_own_partitions_and_both_stream(second_gat
 
 @pytest.mark.timeout(300)  # a gateway restart, up to 120 s
 def test_a_restarted_gateway_keeps_its_partition(second_gateway: ServiceProcess) -> None:
-    before = httpx.get(f"http://127.0.0.1:{SECOND_PORT}/health").json()["reply_partition"]
+    before = httpx.get(f"http://127.0.0.1:{SECOND_PORT + 50}/health").json()["reply_partition"]
     second_gateway.stop()
     second_gateway.start()
     second_gateway.wait_healthy(120)
-    assert httpx.get(f"http://127.0.0.1:{SECOND_PORT}/health").json()["reply_partition"] == before
+    assert httpx.get(f"http://127.0.0.1:{SECOND_PORT + 50}/health").json()["reply_partition"] == before
 
 
 FLEET_PORT, OWN_PORTS = GATEWAY_PORT + 8, (GATEWAY_PORT + 9, GATEWAY_PORT + 10)

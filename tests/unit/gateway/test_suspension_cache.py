@@ -294,3 +294,18 @@ async def test_a_refresher_that_meets_an_unexpected_error_goes_on() -> None:
     await asyncio.sleep(0.11)
     assert failures == 4 and s._refresher is not None and not s._refresher.done()  # every remember_s / 2
     await s.stop()
+
+
+@in_virtual_time
+async def test_while_redis_is_down_a_key_last_seen_suspended_is_still_known_suspended() -> None:
+    """Review finding L7: with Redis down, tiers served locally skipped the suspension list altogether."""
+    redis = FakeRedis()
+    s = suspensions(redis, remember_s=0.05)
+    redis.values[s._cache_key("abuser")] = "request_burst"
+    assert await s.reason("abuser") == "request_burst" and await s.reason("fine") is None
+    redis.down = True
+    await asyncio.sleep(0.06)  # the answers are past their interval: a read of its own would meet the outage
+    with pytest.raises(RedisConnectionError):
+        await s.reason("abuser")
+    assert s.last_known("abuser") == "request_burst"
+    assert s.last_known("fine") is None and s.last_known("never-seen") is None
