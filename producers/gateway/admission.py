@@ -86,6 +86,12 @@ class Admission:
         self._holds = holds
         self._background: set[asyncio.Task[None]] = set()
 
+    def note_refused(self, key: ApiKey) -> None:
+        """A request of ``key`` refused before it reached the limiter (``early.py``): the abuse detector counts it as
+        a refusal all the same (a key hammering through its 429s is a signal)."""
+        if self._on_refused is not None:
+            self._on_refused(key)
+
     def hold_for(self, org: OrgRecord, model: str, prompt_tokens: int, max_tokens: int, at: datetime
                  ) -> BudgetHold | None:
         """The request's budget hold, when its org has a budget (and this gateway prices holds)."""

@@ -27,8 +27,8 @@ from producers.gateway.pending_writes import PendingWrites
 from producers.gateway.responses_protocol import ConversationCreate
 from producers.gateway.stored import STORE_ERRORS, list_page
 from producers.gateway.turns import conversation_not_found
-from producers.tenancy.view import ApiKey
 from runtime.settings import TierTable
+from runtime.tenancy import ApiKey
 from schemas.events import utcnow
 from schemas.ids import CONVERSATION_PREFIX, ITEM_PREFIX, input_item_id, new_conversation_id, plausible
 from stream_processors.store.conversations import (

@@ -45,9 +45,12 @@ class _Remembered:
 
 
 class EarlyRefusals:
-    def __init__(self, tiers: TierTable, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, tiers: TierTable, *, clock: Callable[[], float] = time.monotonic,
+                 on_refused: Callable[[ApiKey], None] | None = None) -> None:
         self._tiers = tiers
         self._clock = clock
+        #: told of each refusal made here, as the limiter's are (the abuse detector counts 429s)
+        self._on_refused = on_refused
         self._refused: dict[str, _Remembered] = {}
         self._preparing: Counter[str] = Counter()
 
@@ -62,6 +65,7 @@ class EarlyRefusals:
                 del self._refused[who]
                 continue
             GATEWAY_EARLY_REFUSALS.labels(reason="remembered").inc()
+            self._refused_now(key)
             raise _again(remembered, now)
 
     def remember(self, key: ApiKey, error: ApiError) -> None:
@@ -88,6 +92,7 @@ class EarlyRefusals:
         limit = limits_for(key.org, self._tiers).max_concurrent
         if self._preparing[key.key_id] >= limit:
             GATEWAY_EARLY_REFUSALS.labels(reason="preparing").inc()
+            self._refused_now(key)
             raise ApiError(429, f"Rate limit reached for API key {key.key_id} on requests in flight: Limit {limit} "
                                 "requests being prepared at once (a turn waiting for the previous one counts). "
                                 "Please try again in 1s.", type="requests", code="rate_limit_exceeded",
@@ -99,6 +104,11 @@ class EarlyRefusals:
             self._preparing[key.key_id] -= 1
             if not self._preparing[key.key_id]:
                 del self._preparing[key.key_id]
+
+
+    def _refused_now(self, key: ApiKey) -> None:
+        if self._on_refused is not None:
+            self._on_refused(key)
 
 
 def _again(remembered: _Remembered, now: float) -> ApiError:

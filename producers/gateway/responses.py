@@ -39,8 +39,8 @@ from producers.gateway.stored import STORE_ERRORS
 from producers.gateway.turns import TurnAsk, TurnPlanner, context_exceeded
 from producers.relay.collector import Delta
 from producers.relay.responses_sse import OPENING, ResponseStream
-from producers.tenancy.view import ApiKey
 from runtime.metrics import GATEWAY_HANDOVERS
+from runtime.tenancy import ApiKey
 from schemas.events import ErrorCode, SamplingSpec
 from schemas.ids import RESPONSE_PREFIX, new_response_id, output_item_id, plausible
 from stream_processors.store.responses import ResponseStore, StoredResponse
@@ -291,7 +291,7 @@ class ResponsesService:
         """A stored response still being generated (its stream record lives); 404 otherwise. ``stored_only=False``:
         a ``store: false`` one too (its client may still stop it)."""
         record = await self._chat.stream_record(response_id)
-        if record is None or record.org_id != key.org_id or not record.extra:
+        if record is None or not key.may_see(record.org_id, record.model) or not record.extra:
             raise response_not_found(response_id)
         view = ResponseView.from_json(record.extra)
         if stored_only and not view.store:

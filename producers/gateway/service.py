@@ -54,7 +54,6 @@ from producers.gateway.turns import TurnAsk, TurnPlanner
 from producers.relay.collector import Delta, StreamCollector
 from producers.relay.demux import Relay
 from producers.relay.sse import DONE, ChunkFormatter, completion
-from producers.tenancy.view import ApiKey
 from runtime.metrics import (
     GATEWAY_DROPPED,
     GATEWAY_E2E,
@@ -69,6 +68,7 @@ from runtime.metrics import (
 from runtime.settings import GatewaySettings, TierPolicy, TierTable
 from runtime.spend import BudgetHold
 from runtime.streams import StreamDirectory, StreamRecord
+from runtime.tenancy import ApiKey
 from schemas.events import (
     ORIGIN_ATTACHMENT,
     ChatMessage,
@@ -168,7 +168,8 @@ class ChatService:
         self._streams = streams
         self._turns = turns
         self._pending = pending
-        self._early = early or EarlyRefusals(TierTable.model_validate(dict(self._tiers)))
+        self._early = early or EarlyRefusals(TierTable.model_validate(dict(self._tiers)),
+                                             on_refused=admission.note_refused)
         self._background: set[asyncio.Task[None]] = set()
         #: the streams being answered (handed over when the gateway stops)
         self._open: dict[str, Accepted] = {}
@@ -328,7 +329,7 @@ class ChatService:
         received_at = time.perf_counter()
         await self._admission.admit_read(key)
         record = await self.stream_record(request_id)
-        if record is None or record.org_id != key.org_id or bool(record.extra) != responses:
+        if record is None or not key.may_see(record.org_id, record.model) or bool(record.extra) != responses:
             GATEWAY_RESUMES.labels(outcome="not_found").inc()
             raise stream_not_found(request_id)
         if request_id in self._open:
@@ -383,7 +384,7 @@ class ChatService:
         billed for what reached its clients (everything emitted while one is attached). 404 for an id that is
         unknown, expired or another org's (or of the other API); 409 for one that already ended."""
         record = await self.stream_record(request_id)
-        if record is None or record.org_id != key.org_id or bool(record.extra) != responses:
+        if record is None or not key.may_see(record.org_id, record.model) or bool(record.extra) != responses:
             raise stream_not_found(request_id)
         try:
             assert self._streams is not None

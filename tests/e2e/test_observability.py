@@ -132,8 +132,16 @@ async def test_metrics_are_exported(client: openai.OpenAI, stack: Settings) -> N
         assert total(scrape(worker_url), "kns_worker_requests_in_flight") == 1
     finally:
         stream.close()
-    assert await wait_for(lambda: total(scrape(worker_url), "kns_worker_requests_in_flight") == 0, timeout_s=30)
+    # The client's connection dropped: the gateway's stream is over, the worker suspends the generation for the
+    # resume window (it stays in flight there, suspended), until its client cancels it from any gateway
     assert await wait_for(lambda: total(scrape(gateway_url), "kns_gateway_requests_in_flight") == 0, timeout_s=30)
+    assert await wait_for(lambda: total(scrape(worker_url), "kns_worker_suspended_streams") == 1, timeout_s=30)
+    async with httpx.AsyncClient(timeout=30) as http:
+        cancelled = await http.post(f"{client.base_url}chat/completions/{started[0].id}/cancel",
+                                    headers={"Authorization": f"Bearer {client.api_key}"})
+    assert cancelled.status_code == 200, cancelled.text
+    assert await wait_for(lambda: total(scrape(worker_url), "kns_worker_requests_in_flight") == 0, timeout_s=30)
+    assert total(scrape(worker_url), "kns_worker_suspended_streams") == 0
 
 
 async def test_every_processor_exports_its_metrics(client: openai.OpenAI, stack: Settings,

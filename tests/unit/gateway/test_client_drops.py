@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from types import SimpleNamespace
 
 import pytest
 
@@ -156,7 +155,7 @@ async def test_an_explicit_cancel_names_no_connection_and_is_refused_for_another
     accepted = await accept(chat)
     request_id = accepted.request_id  # type: ignore[attr-defined]
     with pytest.raises(ApiError) as foreign:
-        await chat.cancel_stream(request_id, SimpleNamespace(org_id="other"), traceparent="00-0-0-01")  # type: ignore[arg-type]
+        await chat.cancel_stream(request_id, api_key(key_id="k9", org_id="other"), traceparent="00-0-0-01")  # type: ignore[arg-type]
     with pytest.raises(ApiError) as unknown:
         await chat.cancel_stream("chatcmpl-nope", api_key(), traceparent="00-0-0-01")
     assert foreign.value.status == unknown.value.status == 404 and publisher.cancels == []
@@ -186,3 +185,17 @@ async def test_resumes_take_reads_of_their_key_and_past_its_reads_per_minute_get
     with pytest.raises(ApiError) as refused:
         await chat.resume(accepted.request_id, 1, key, traceparent="00-0-0-01")  # type: ignore[attr-defined]
     assert (refused.value.status, refused.value.code, len(lookups)) == (429, "rate_limit_exceeded", 1)
+
+
+async def test_a_key_restricted_to_other_models_finds_neither_the_stream_to_resume_nor_to_cancel() -> None:
+    """Issue 37 L6: a key's model allow-list applies to resumes and cancels as to creates: another model's stream is
+    answered as unknown (404), as another org's."""
+    chat, publisher, relay, _ = service()
+    accepted = await accept(chat)
+    await read_then_drop(chat, relay, accepted, 1)
+    narrow = api_key(key_id="k2", models=["another-model"])
+    with pytest.raises(ApiError) as resumed:
+        await chat.resume(accepted.request_id, 1, narrow, traceparent="00-0-0-01")  # type: ignore[attr-defined]
+    with pytest.raises(ApiError) as cancelled:
+        await chat.cancel_stream(accepted.request_id, narrow, traceparent="00-0-0-01")  # type: ignore[attr-defined]
+    assert resumed.value.status == cancelled.value.status == 404 and publisher.cancels == []

@@ -119,3 +119,22 @@ def _refusal(limit: str, scope: str) -> ApiError:
     window = Window(1, 0, 1000, 1, 0, 1000)
     return LimitRefusal(Refused(limit, scope, -1, 1, window), 429, "spent", type="insufficient_quota",
                         code="insufficient_quota", headers={})
+
+
+async def test_a_refusal_made_before_the_limiter_is_reported_to_the_abuse_detector_as_the_limiters_are() -> None:
+    """A key hammering through its 429s is a signal (issue 36 item 3): the early refusals count as refusals."""
+    from producers.gateway.admission import Admission
+    from producers.gateway.local_limiter import LocalLimiter
+
+    refused: list[str] = []
+    admission = Admission(LocalLimiter(), LocalLimiter(), TierTable.model_validate({}),
+                          on_refused=lambda key: refused.append(key.key_id))
+    chat = ChatService(GatewaySettings(instance_id="gw"), Prompts(), RecordingPublisher(), Relay(), 0, "gw/1",  # type: ignore[arg-type]
+                       admission=admission)
+    key = api_key(limits=LimitOverrides(requests_per_minute=1))
+    await chat.accept(BODY, key, client_addr=None, traceparent="00-0-0-01")
+    for _ in range(5):
+        with pytest.raises(ApiError):
+            await chat.accept(BODY, key, client_addr=None, traceparent="00-0-0-01")
+    assert refused == ["k"] * 5  # one by the limiter, four remembered
+    await chat.drain()
