@@ -75,7 +75,7 @@ class EmbeddingClassifier:
         from stream_processors.safety.embedder import Embedder
 
         self.name = f"embedding/{path.stem}"
-        self._embedder = embedder or Embedder()
+        self._embedder = embedder or Embedder(threads=settings.embedding_threads)
         rows = load_labelled(path)
         self._texts = [r["text"] for r in rows]
         self._categories = [r["category"] for r in rows]
