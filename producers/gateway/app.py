@@ -17,7 +17,7 @@ from fastapi import Depends, FastAPI
 
 from billing.ledger import Ledger
 from billing.prices import LivePrices, PriceLead, PriceStore
-from producers.gateway import errors
+from producers.gateway import errors, openapi
 from producers.gateway.admission import Admission
 from producers.gateway.budget import HoldPricer
 from producers.gateway.conversations import ConversationService
@@ -157,6 +157,7 @@ def create_app(settings: Settings) -> FastAPI:
     app = FastAPI(title="kns gateway", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     errors.install(app)
+    openapi.install(app)
     app.include_router(chat.router)
     app.include_router(stored.router)
     app.include_router(responses.router)

@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError as RedisOutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
@@ -27,9 +28,11 @@ from producers.tenancy.admin import TenancyError
 log = logging.getLogger(__name__)
 
 #: Overload or outage of the stores the gateway reads before accepting a request (suspensions, limits) or writes
-#: an admin change to (the registry topics).
+#: an admin change to (the registry topics). Redis full (``maxmemory`` with ``noeviction``: writes are refused, never
+#: evicted) is answered as Redis down.
 DEPENDENCY_ERRORS: tuple[type[Exception], ...] = (
-    RedisConnectionError, RedisTimeoutError, NoHostAvailable, RequestExecutionException, DriverException,
+    RedisConnectionError, RedisTimeoutError, RedisOutOfMemoryError, NoHostAvailable, RequestExecutionException,
+    DriverException,
     KafkaError,
 )
 
@@ -50,6 +53,19 @@ class ErrorResponse(BaseModel):
 def error_responses(described: dict[int, str]) -> dict[int | str, dict[str, Any]]:
     """A route's ``responses=`` for its error statuses: each one OpenAI's error body, with what it means."""
     return {status: {"model": ErrorResponse, "description": text} for status, text in described.items()}
+
+
+#: What every operation behind an API key may answer before it runs (``deps.authenticate``): a router's ``responses=``
+CALLER_ERRORS = error_responses({
+    401: "No API key, or an unknown, revoked or expired one.",
+    403: "The API key is suspended, or is an admin key (which works on the admin API only).",
+    503: "A backing service is unavailable; nothing changed, retry shortly.",
+})
+#: What a list read or a stream resume may answer besides (``Admission.admit_read``)
+READ_LIMITED = error_responses({
+    429: "The reads per minute of the key or its organization were reached (`rate_limit_exceeded`); `Retry-After` "
+         "says when to retry.",
+})
 
 
 class ApiError(Exception):
@@ -118,24 +134,28 @@ def unavailable(message: str) -> ApiError:
 
 
 def from_validation(exc: ValidationError | RequestValidationError) -> ApiError:
-    """One problem pydantic found, with the JSON path of the offending field as ``param``. For a union (content
-    may be a string or a list of parts) the deepest error is the one about the branch the client meant."""
+    """One problem pydantic found, with the JSON path of the offending field as ``param``, as OpenAI writes it
+    (``messages[1].content``). For a union (content may be a string or a list of parts) the deepest error is the one
+    about the branch the client meant."""
     errors = exc.errors()
     if not errors:
         return bad_request("Invalid request body.")
-    # Argument names are checked before values, as OpenAI does: every top-level unknown field is named at once.
-    top_level = [_param_path(e["loc"]) for e in errors if e.get("type") == "extra_forbidden" and _is_field(e["loc"])]
-    if top_level:
-        return unrecognized(top_level)
+    # Argument names are checked before values, as OpenAI does: every unknown field is named at once, at any depth.
+    unknown = [_param_path(e["loc"]) for e in errors if e.get("type") == "extra_forbidden"]
+    if unknown:
+        return unrecognized(list(dict.fromkeys(unknown)))
     first = max(errors, key=lambda e: len(e.get("loc", ())))
     path = _param_path(first.get("loc", ()))
-    # Our own validators (PydanticCustomError) name the parameter and the OpenAI code in the error's context.
+    # Our own validators (PydanticCustomError) name the parameter and the OpenAI code in the error's context; one of
+    # a message or a part names it relative to where it is (``tool_calls`` of ``messages[1]``).
     context = first.get("ctx") or {}
     if "code" in context:
-        return bad_request(first.get("msg", "invalid value"), param=context.get("param") or path or None,
-                           code=str(context["code"]))
-    if first.get("type") == "extra_forbidden":
-        return unrecognized([path])
+        message = first.get("msg", "invalid value")
+        param = context.get("param")
+        if param and path and not str(param).startswith(path):
+            message = message.replace(f"'{param}'", f"'{path}.{param}'", 1)
+            param = f"{path}.{param}"
+        return bad_request(message, param=param or path or None, code=str(context["code"]))
     message = first.get("msg", "invalid value").removeprefix("Value error, ")
     if first.get("type") == "missing":
         message = f"Missing required parameter: '{path}'."
@@ -148,23 +168,22 @@ def from_validation(exc: ValidationError | RequestValidationError) -> ApiError:
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
-def _is_field(loc: tuple[int | str, ...] | list[int | str]) -> bool:
-    """A field of the request body itself (not one inside a message or a part)."""
-    return len([part for part in loc if part not in ("body", "query")]) == 1
-
-
 def _param_path(loc: tuple[int | str, ...] | list[int | str]) -> str:
-    """``("body", "messages", 0, "content", "str")`` → ``messages.0.content``: pydantic also names the union
-    branch it tried ("str", "list[TextPart]", "constrained-str"), which is no part of the client's JSON."""
-    parts: list[str] = []
+    """``("body", "messages", 0, "content", "list[TextPart]", 1, "type")`` → ``messages[0].content[1].type``: pydantic
+    also names the union branch it tried ("str", "list[TextPart]", "constrained-str"), which is no part of the
+    client's JSON."""
+    path = ""
     for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+            continue
         text = str(part)
-        if text in ("body", "query") and not parts:
+        if text in ("body", "query") and not path:
             continue
-        if isinstance(part, str) and ("[" in text or text in _UNION_TAGS or text.startswith("constrained-")):
-            continue
-        parts.append(text)
-    return ".".join(parts)
+        if "[" in text or text in _UNION_TAGS or text.startswith("constrained-") or text[:1].isupper():
+            continue  # a union branch: a type's name, never a field of ours (they are snake_case)
+        path = f"{path}.{text}" if path else text
+    return path
 
 
 def install(app: FastAPI) -> None:

@@ -1,10 +1,18 @@
 """OpenAI wire models for ``/v1/chat/completions`` (with vLLM's sampling extensions) and ``/v1/models``.
 
-Requests are validated here (types and ranges); rules that need the tokenizer or the model card (context
-length) live in ``prompt.py``. Nothing a client sends is silently ignored: an OpenAI parameter we do not implement
-is refused with a 400 naming it unless its value asks for nothing (:data:`UNSUPPORTED`, the one list), and a field
-no OpenAI API knows gets OpenAI's "Unrecognized request argument supplied". The OpenAPI schema of the request
-(:func:`chat_request_schema`) is built from the same model and list, so the document says what is accepted.
+Requests are validated here (types, ranges and sizes); rules that need the tokenizer or the model card (context
+length) live in ``prompt.py``. Nothing a client sends is silently ignored, at any depth: an OpenAI parameter we do
+not implement is refused with a 400 naming its path unless its value asks for nothing (:data:`UNSUPPORTED` for the
+request, :data:`UNSUPPORTED_MESSAGE` for a message, :data:`UNSUPPORTED_STREAM_OPTIONS`), and a field no OpenAI API
+knows gets OpenAI's "Unrecognized request argument supplied" (``messages[1].cache_control``). The OpenAPI schema of
+the request (:func:`chat_request_schema`) is built from the same models and tables, so the document says what is
+accepted.
+
+Sizes: every free-text field that is not rendered into the prompt (so neither counted nor billed as tokens) has a
+bound (:data:`MAX_USER_CHARS`, :data:`MAX_NAME_CHARS`, :data:`MAX_STOP_CHARS`, the metadata bounds); what is rendered
+is counted as prompt tokens and bounded by the context. What one request makes the gateway write (its Kafka event,
+kept 7 days and copied by the pre-filter, then its stream record and stored completion) is bounded as a whole by
+:func:`check_request_size`.
 """
 
 from __future__ import annotations
@@ -25,43 +33,11 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from producers.gateway.errors import ApiError, bad_request
+from schemas.codec import codec_for
+from schemas.events import ChatRequest
+
 ALLOWED_ROLES = ("system", "developer", "user", "assistant")
-
-
-# Every request model is strict: a JSON value of another type is an error ("4" or true is not an integer), as
-# OpenAI answers, instead of pydantic's coercion.
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessageIn(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
-
-    role: Annotated[str, WithJsonSchema({"type": "string", "enum": list(ALLOWED_ROLES)})]
-    content: str | list[TextPart]
-    name: str | None = None
-
-    @field_validator("role")
-    @classmethod
-    def _known_role(cls, role: str) -> str:
-        if role not in ALLOWED_ROLES:
-            raise ValueError(f"unknown role {role!r}; expected one of {', '.join(ALLOWED_ROLES)}")
-        return role
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True)
-
-    include_usage: bool = False
 
 
 @dataclass(frozen=True)
@@ -114,6 +90,98 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "safety_identifier": Unsupported(hint="Use user to identify the end user."),
 }
 
+#: Bounds of free text that is not rendered into the prompt (stored and sent along, never counted as tokens): the
+#: end user's id (OpenAI's ``user``, 256 as OpenAI's ``safety_identifier``), a participant's name (64, OpenAI's bound
+#: on names), the model's name, each stop string (a stop longer than this never ends a real answer)
+MAX_USER_CHARS = 256
+MAX_NAME_CHARS = 64
+MAX_MODEL_CHARS = 256
+MAX_STOP_CHARS = 256
+#: What one request may make the gateway write: its serialized Kafka event (messages, token ids, sampling, user,
+#: metadata) plus its stream record's payload. Kafka refuses records over 1 MiB (``message.max.bytes``); a stored
+#: completion adds the answer's text to the request's messages, up to the context's tokens at a few bytes each.
+MAX_REQUEST_EVENT_BYTES = 768 * 1024
+
+# Every request model is strict: a JSON value of another type is an error ("4" or true is not an integer), as
+# OpenAI answers, instead of pydantic's coercion.
+
+
+def unsupported_value(kind: str, value: object, param: str, supported: str) -> PydanticCustomError:
+    """A 400 for a ``type`` (of a content part, of an input item) this server does not serve, naming it."""
+    return PydanticCustomError("unsupported_parameter",
+                               f"{kind} of type '{str(value)[:64]}' are not supported by this server; only "
+                               f"{supported}.", {"param": param, "code": "unsupported_parameter"})
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["text"]
+    text: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("type"), str) and data["type"] != "text":
+            raise unsupported_value("Content parts", data["type"], "type", "text parts are")
+        return data
+
+
+#: OpenAI message fields this server does not act on, with their no-op values: what an SDK echoes back of an
+#: assistant message (``message.model_dump()``) is accepted, a tool call or an audio reference is not.
+UNSUPPORTED_MESSAGE: dict[str, Unsupported] = {
+    "tool_calls": Unsupported((None, [])),
+    "tool_call_id": Unsupported(),
+    "function_call": Unsupported(),
+    "refusal": Unsupported(),
+    "audio": Unsupported(),
+    "annotations": Unsupported((None, [])),
+}
+
+
+class ChatMessageIn(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid",
+                              json_schema_extra=lambda schema: declare_unsupported(schema, UNSUPPORTED_MESSAGE))
+
+    role: Annotated[str, WithJsonSchema({"type": "string", "enum": list(ALLOWED_ROLES)})]
+    content: str | list[TextPart]
+    #: kept with the request and its stored completion; SmolLM2's chat template does not render it
+    name: Annotated[str, Field(max_length=MAX_NAME_CHARS)] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        return refuse_unsupported(data, UNSUPPORTED_MESSAGE)
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str) -> str:
+        if role not in ALLOWED_ROLES:
+            raise ValueError(f"unknown role {role!r}; expected one of {', '.join(ALLOWED_ROLES)}")
+        return role
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+#: ``stream_options`` fields not implemented: the stream carries no obfuscation padding
+UNSUPPORTED_STREAM_OPTIONS: dict[str, Unsupported] = {"include_obfuscation": Unsupported((None, False))}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(
+        strict=True, extra="forbid",
+        json_schema_extra=lambda schema: declare_unsupported(schema, UNSUPPORTED_STREAM_OPTIONS))
+
+    include_usage: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        return refuse_unsupported(data, UNSUPPORTED_STREAM_OPTIONS)
+
+
 #: Bounds of the event schema's Avro int and long (``schemas/avro/chat_request``).
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -135,11 +203,12 @@ INTEGRAL = BeforeValidator(_integral)
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX), INTEGRAL,
                   WithJsonSchema({"type": "integer", "format": "int64"})]
 #: An empty stop string would stop nothing; the engine refuses it (after the request was accepted).
-StopString = Annotated[str, Field(min_length=1)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
 def refuse_unsupported(data: Any, table: dict[str, Unsupported]) -> Any:
-    """A request body without the unsupported parameters that ask for nothing; a 400 naming any other."""
+    """A request body (or a message, a part: ``errors.from_validation`` prefixes the name with their path) without
+    the unsupported parameters that ask for nothing; a 400 naming any other."""
     if not isinstance(data, dict):
         return data
     for name, rule in table.items():
@@ -162,12 +231,17 @@ def _same_json(a: Any, b: Any) -> bool:
     return type(a) is type(b) and bool(a == b)
 
 
-def _declare_unsupported(schema: dict[str, Any]) -> None:
-    """JSON schema of the request: each unsupported parameter with its accepted values only, and the one rule
-    between fields that JSON Schema can say (stream_options only with stream: true)."""
+def declare_unsupported(schema: dict[str, Any], table: dict[str, Unsupported]) -> None:
+    """A model's JSON schema: each unsupported parameter of ``table`` with its accepted values only."""
     properties = schema.setdefault("properties", {})
-    for name, rule in UNSUPPORTED.items():
+    for name, rule in table.items():
         properties[name] = {"enum": list(rule.no_ops), "description": rule.message(name)}
+
+
+def _declare_chat_rules(schema: dict[str, Any]) -> None:
+    """JSON schema of the request: the unsupported parameters, and the one rule between fields that JSON Schema can
+    say (stream_options only with stream: true)."""
+    declare_unsupported(schema, UNSUPPORTED)
     schema["dependentSchemas"] = {"stream_options": {"anyOf": [
         {"properties": {"stream": {"const": True}}, "required": ["stream"]},
         {"properties": {"stream_options": {"type": "null"}}},
@@ -181,9 +255,9 @@ MetadataValue = Annotated[str, Field(max_length=512)]
 
 class ChatCompletionRequest(BaseModel):
     # A field that is neither ours nor in UNSUPPORTED is an error (errors.from_validation words it as OpenAI).
-    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=_declare_unsupported)
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=_declare_chat_rules)
 
-    model: str
+    model: Annotated[str, Field(max_length=MAX_MODEL_CHARS)]
     messages: Annotated[list[ChatMessageIn], Field(min_length=1)]
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -194,7 +268,7 @@ class ChatCompletionRequest(BaseModel):
     n: Annotated[int, Field(ge=1, le=1), INTEGRAL] = 1
     seed: Int64 | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=4)] | None = None
-    user: str | None = None
+    user: Annotated[str, Field(max_length=MAX_USER_CHARS)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     # vLLM's sampling extensions, so that `vllm bench serve` runs unchanged
@@ -328,3 +402,33 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
     }
     usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
     return usage
+
+
+def request_size_bound(request: ChatRequest, extra: str = "") -> int:
+    """An upper bound, in bytes, of what ``request`` makes the gateway write: its Avro event (every text field's
+    UTF-8 bytes, a varint of at most 5 bytes per token id, 32 bytes of framing per message and stop string, 2 KiB for
+    the fields of fixed size) plus the stream record's payload ``extra``. Cheap (no encoding): ~2 µs a request."""
+    texts = [request.user or "", request.client_addr or "", request.conversation_id or "", *request.sampling.stop,
+             *request.metadata, *request.metadata.values(), extra]
+    if request.turn is not None:
+        texts += [request.turn.instructions or "", request.turn.previous_response_id or ""]
+    messages = sum(len(m.content.encode()) + len(m.role) + len((m.name or "").encode()) + 32 for m in request.messages)
+    return (messages + sum(len(t.encode()) for t in texts) + 32 * len(request.sampling.stop)
+            + 5 * len(request.prompt_token_ids) + 2048)
+
+
+def check_request_size(request: ChatRequest, extra: str = "") -> None:
+    """A 400 for a request whose event and stream record would exceed :data:`MAX_REQUEST_EVENT_BYTES`, before it is
+    admitted or produced. Encoded exactly only when the cheap bound exceeds the limit (a few such requests are
+    worth 45 µs; every request is not)."""
+    if request_size_bound(request, extra) <= MAX_REQUEST_EVENT_BYTES:
+        return
+    size = len(codec_for(ChatRequest).encode(request)) + len(extra.encode())
+    if size > MAX_REQUEST_EVENT_BYTES:
+        raise request_too_large(size)
+
+
+def request_too_large(size: int) -> ApiError:
+    return bad_request(f"The request is too large to accept: with its history and instructions it makes a record of "
+                       f"{size} bytes, and at most {MAX_REQUEST_EVENT_BYTES} are kept per request. Shorten the "
+                       "messages (or the conversation's history).", param="messages", code="request_too_large")

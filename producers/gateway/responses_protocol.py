@@ -1,9 +1,11 @@
 """OpenAI wire models of ``/v1/responses`` and ``/v1/conversations``: the request bodies and the objects answered.
 
-As for chat completions, nothing a client sends is silently ignored: an OpenAI parameter this server does not
-implement is refused naming it unless its value asks for nothing (:data:`UNSUPPORTED_RESPONSES`), an unknown field
-gets "Unrecognized request argument", and input items other than messages (tool calls and outputs, files, images)
-get a 400 naming their type.
+As for chat completions, nothing a client sends is silently ignored, at any depth: an OpenAI parameter this server
+does not implement is refused naming it unless its value asks for nothing (:data:`UNSUPPORTED_RESPONSES`, and
+:data:`UNSUPPORTED_PART` for what an echoed output part carries), an unknown field gets "Unrecognized request
+argument", and input items other than messages (tool calls and outputs, files, images) and content parts other than
+text get a 400 naming their type. Free text that is not rendered (``user``, an echoed item's ``id``) is bounded; the
+items of a created conversation are bounded where they are admitted (``conversations.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,17 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from producers.gateway.protocol import INTEGRAL, MetadataKey, MetadataValue, Unsupported, refuse_unsupported
+from producers.gateway.protocol import (
+    INTEGRAL,
+    MAX_MODEL_CHARS,
+    MAX_USER_CHARS,
+    MetadataKey,
+    MetadataValue,
+    Unsupported,
+    declare_unsupported,
+    refuse_unsupported,
+    unsupported_value,
+)
 from schemas.events import ChatMessage
 
 #: Responses API parameters this server does not implement (openai-python's ``ResponseCreateParams``), with the
@@ -41,47 +53,48 @@ UNSUPPORTED_RESPONSES: dict[str, Unsupported] = {
 ROLES = ("user", "assistant", "system", "developer")
 
 
+#: What an output text part echoed back as input carries besides its text (``response.output`` reused as input)
+UNSUPPORTED_PART: dict[str, Unsupported] = {"annotations": Unsupported((None, [])), "logprobs": Unsupported((None, []))}
+PART_TYPES = ("input_text", "output_text", "text")
+ID_CHARS = 128
+
+
 class ContentPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = ConfigDict(strict=True, extra="forbid",
+                              json_schema_extra=lambda schema: declare_unsupported(schema, UNSUPPORTED_PART))
 
-    type: str
-    text: str | None = None
+    type: Literal["input_text", "output_text", "text"]
+    text: str
 
-    @model_validator(mode="after")
-    def _text_only(self) -> ContentPart:
-        if self.type not in ("input_text", "output_text", "text"):
-            raise PydanticCustomError("unsupported_parameter",
-                                      f"Content parts of type '{self.type}' are not supported by this server; "
-                                      "only input_text and output_text are.", {"code": "unsupported_parameter"})
-        if self.text is None:
-            raise ValueError(f"a content part of type '{self.type}' needs its text")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("type"), str) and data["type"] not in PART_TYPES:
+            raise unsupported_value("Content parts", data["type"], "type", "input_text and output_text are")
+        return refuse_unsupported(data, UNSUPPORTED_PART)
 
 
 class InputMessage(BaseModel):
     """An input item: a message (the only item type served; ``id`` and ``status`` of an echoed item are allowed)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
-
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[ContentPart]
-    id: str | None = None
-    status: str | None = None
+    id: Annotated[str, Field(min_length=1, max_length=ID_CHARS)] | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _messages_only(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("type", "message") != "message":
-            raise PydanticCustomError("unsupported_parameter",
-                                      f"Input items of type '{data.get('type')}' are not supported by this server; "
-                                      "only messages are.", {"code": "unsupported_parameter"})
+            raise unsupported_value("Input items", data.get("type"), "type", "messages are")
         return data
 
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text or "" for part in self.content)
+        return "".join(part.text for part in self.content)
 
     def as_event(self) -> ChatMessage:
         # "developer" is OpenAI's newer name for the system role; the chat template knows "system"
@@ -97,10 +110,22 @@ class ConversationRef(BaseModel):
 Metadata = Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)]
 
 
-class ResponseCreate(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+def _declare_response_rules(schema: dict[str, Any]) -> None:
+    """The unsupported parameters, and the rules between fields: a background response is stored, and a
+    conversation keeps its own history (no ``previous_response_id`` beside it)."""
+    declare_unsupported(schema, UNSUPPORTED_RESPONSES)
+    schema["allOf"] = [
+        {"if": {"properties": {"background": {"const": True}}, "required": ["background"]},
+         "then": {"properties": {"store": {"const": True}}}},
+        {"not": {"required": ["conversation", "previous_response_id"],
+                 "properties": {"conversation": {"not": {"type": "null"}},
+                                "previous_response_id": {"not": {"type": "null"}}}}},
+    ]
 
-    model: str
+
+class ResponseCreate(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=_declare_response_rules)
+    model: Annotated[str, Field(max_length=MAX_MODEL_CHARS)]
     input: Annotated[str, Field(min_length=1)] | Annotated[list[InputMessage], Field(min_length=1, max_length=256)]
     instructions: str | None = None
     conversation: Annotated[str, Field(min_length=1, max_length=128)] | ConversationRef | None = None
@@ -113,7 +138,7 @@ class ResponseCreate(BaseModel):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     metadata: Metadata | None = None
-    user: str | None = None
+    user: Annotated[str, Field(max_length=MAX_USER_CHARS)] | None = None
 
     @model_validator(mode="before")
     @classmethod

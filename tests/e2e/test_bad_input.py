@@ -29,8 +29,8 @@ CASES = [
     ("not an object", b'"hello"', 400, None, "invalid_json"),
     ("missing messages", orjson.dumps({"model": MODEL}), 400, "messages", "missing_required_parameter"),
     ("empty messages", body(messages=[]), 400, "messages", "invalid_value"),
-    ("unknown role", body(messages=[{"role": "robot", "content": "x"}]), 400, "messages.0.role", "invalid_value"),
-    ("non-string content", body(messages=[{"role": "user", "content": {"a": 1}}]), 400, "messages.0.content",
+    ("unknown role", body(messages=[{"role": "robot", "content": "x"}]), 400, "messages[0].role", "invalid_value"),
+    ("non-string content", body(messages=[{"role": "user", "content": {"a": 1}}]), 400, "messages[0].content",
      "invalid_value"),
     ("max_tokens zero", body(max_tokens=0), 400, "max_tokens", "invalid_value"),
     ("max_tokens negative", body(max_tokens=-5), 400, "max_tokens", "invalid_value"),
@@ -48,7 +48,25 @@ CASES = [
     ("logit_bias", body(logit_bias={"1": 5}), 400, "logit_bias", "unsupported_parameter"),
     ("unrecognized argument", body(frobnicate=True), 400, "frobnicate", "unknown_parameter"),
     # the engine refuses an empty stop string: before this was checked, after the request was accepted (a 502)
-    ("empty stop string", body(stop=[""]), 400, "stop.0", "invalid_value"),
+    ("empty stop string", body(stop=[""]), 400, "stop[0]", "invalid_value"),
+    # nothing is dropped silently at any depth: a field of a message, a part or stream_options is acted on or refused
+    ("unknown message field", body(messages=[{"role": "user", "content": "x"},
+                                             {"role": "assistant", "content": "y", "cache_control": {"type": "x"}}]),
+     400, "messages[1].cache_control", "unknown_parameter"),
+    ("tool calls on an assistant message", body(messages=[
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": "y", "tool_calls": [{"id": "c", "type": "function",
+                                                              "function": {"name": "f", "arguments": "{}"}}]}]),
+     400, "messages[1].tool_calls", "unsupported_parameter"),
+    ("image part", body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+     400, "messages[0].content[0].type", "unsupported_parameter"),
+    ("unknown stream_options field", body(stream=True, stream_options={"include_usage": True, "chunk_size": 4}),
+     400, "stream_options.chunk_size", "unknown_parameter"),
+    # free text that is kept but never counted as tokens is bounded (issue 37 H2)
+    ("user too long", body(user="u" * 257), 400, "user", "invalid_value"),
+    ("name too long", body(messages=[{"role": "user", "content": "x", "name": "n" * 65}]), 400, "messages[0].name",
+     "invalid_value"),
+    ("stop string too long", body(stop=["s" * 257]), 400, "stop[0]", "invalid_value"),
 ]
 
 

@@ -294,13 +294,14 @@ async def test_delete_and_other_orgs_read_nothing(base_url: str, caller: Caller,
 
 #: (body, status, the parameter named, a part of the message that says why): a refusal for another reason fails
 BAD_CREATES: list[tuple[dict[str, Any], int, str, str | None]] = [
-    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}", "call_id": "c"}]}, 400, "input.0",
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}", "call_id": "c"}]}, 400, "input[0].type",
      "'function_call'"),
     ({"input": 12}, 400, "input", "'input'"),
     ({"input": []}, 400, "input", "'input'"),
-    ({"input": [{"role": "robot", "content": "hi"}]}, 400, "input.0.role", "'user', 'assistant'"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input.0.content.0",
-     "'input_image'"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, 400, "input[0].role", "'user', 'assistant'"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400,
+     "input[0].content[0].type", "'input_image'"),
+    ({"input": "hi", "user": "u" * 257}, 400, "user", "256"),
     ({"input": "hi", "conversation": "conv_nope", "previous_response_id": "resp_nope"}, 400, "previous_response_id",
      "cannot be used together"),
     ({"input": "hi", "background": True, "store": False}, 400, "background", "store"),

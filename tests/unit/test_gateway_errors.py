@@ -1,4 +1,5 @@
-"""Backing-store failures before a request is accepted answer 503 in OpenAI's shape, never 500."""
+"""Backing-store failures before a request is accepted answer 503 in OpenAI's shape, never 500: Redis full
+(``maxmemory`` with ``noeviction`` refuses writes) as Redis down."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 from cassandra.cluster import NoHostAvailable
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from redis.exceptions import MaxConnectionsError
+from redis.exceptions import MaxConnectionsError, OutOfMemoryError
 
 from producers.gateway import errors
 
@@ -22,7 +23,8 @@ def app_raising(exc: Exception) -> FastAPI:
     return app
 
 
-@pytest.mark.parametrize("exc", [MaxConnectionsError("Too many connections"), NoHostAvailable("down", {})])
+@pytest.mark.parametrize("exc", [MaxConnectionsError("Too many connections"), NoHostAvailable("down", {}),
+                                 OutOfMemoryError("command not allowed when used memory > 'maxmemory'.")])
 def test_dependency_errors_are_503_in_openai_shape(exc: Exception) -> None:
     response = TestClient(app_raising(exc), raise_server_exceptions=False).get("/boom")
     assert response.status_code == 503

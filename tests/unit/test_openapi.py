@@ -1,5 +1,7 @@
-"""``/openapi.json`` tells the truth about ``POST /v1/chat/completions``: the body clients must send (the same rules
-``parse_body`` applies) and every status the route answers, in OpenAI's error shape (no server needed)."""
+"""``/openapi.json`` tells the truth: the bodies clients must send (the same rules the parsers apply, at every depth),
+every status each operation answers, in OpenAI's error shape, and the links from each create to what reads, cancels
+and deletes what it created (no server needed; schemathesis checks the running gateway in
+``tests/e2e/test_openapi_contract.py``)."""
 
 from __future__ import annotations
 
@@ -14,19 +16,90 @@ from fastapi.testclient import TestClient
 from producers.gateway import errors
 from producers.gateway.app import create_app
 from producers.gateway.errors import ApiError
-from producers.gateway.protocol import UNSUPPORTED, chat_request_schema
-from producers.gateway.routes.chat import parse_body
+from producers.gateway.protocol import UNSUPPORTED, chat_request_schema, openapi_schema
+from producers.gateway.responses_protocol import ResponseCreate
+from producers.gateway.routes.chat import parse_body, parse_json
+from producers.gateway.routes.usage import INSTANT, parse_time
 from runtime.settings import load_settings
 
 OK: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
 @pytest.fixture(scope="module")
-def operation() -> dict[str, Any]:
-    document = create_app(load_settings()).openapi()
+def document() -> dict[str, Any]:
+    return create_app(load_settings()).openapi()
+
+
+@pytest.fixture(scope="module")
+def operation(document: dict[str, Any]) -> dict[str, Any]:
     chat: dict[str, Any] = document["paths"]["/v1/chat/completions"]["post"]
     assert document["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
     return chat
+
+
+def operations(document: dict[str, Any]) -> dict[str, tuple[str, str, dict[str, Any]]]:
+    """operationId → (method, path, operation)."""
+    return {op.get("operationId", f"{method} {path}"): (method, path, op)
+            for path, item in document["paths"].items() for method, op in item.items()}
+
+
+#: each create → the operations (by operationId) its answer's id leads to: every read, cancel and delete by id
+CREATES = {
+    "createChatCompletion": {"getChatCompletion", "getChatCompletionMessages", "cancelChatCompletion",
+                             "deleteChatCompletion"},
+    "createResponse": {"getResponse", "cancelResponse", "deleteResponse"},
+    "createConversation": {"getConversation", "updateConversation", "listConversationItems", "deleteConversation"},
+}
+
+
+@pytest.mark.parametrize("create", sorted(CREATES))
+def test_each_create_links_to_every_operation_on_what_it_created(document: dict[str, Any], create: str) -> None:
+    ops = operations(document)
+    links = ops[create][2]["responses"]["200"]["links"]
+    assert {link["operationId"] for link in links.values()} == CREATES[create]
+    for link in links.values():
+        target = ops[link["operationId"]][2]
+        declared = {p["name"] for p in target.get("parameters", [])}
+        assert set(link["parameters"]) <= declared, link
+        assert {p["name"] for p in target["parameters"] if p["in"] == "path"} <= set(link["parameters"]), link
+
+
+def test_every_link_names_an_operation_and_parameters_it_has(document: dict[str, Any]) -> None:
+    ops = operations(document)
+    linked = [link for _, _, op in ops.values() for answer in op["responses"].values()
+              for link in answer.get("links", {}).values()]
+    assert len(linked) >= 17
+    for link in linked:
+        assert link["operationId"] in ops, link
+        target = ops[link["operationId"]][2]
+        assert set(link["parameters"]) <= {p["name"] for p in target.get("parameters", [])}, link
+
+
+def test_no_operation_declares_fastapis_422_and_every_error_is_openais(document: dict[str, Any]) -> None:
+    for operation_id, (_, path, op) in operations(document).items():
+        responses = op["responses"]
+        assert "422" not in responses, operation_id
+        for status, answer in responses.items():
+            if status.startswith(("4", "5")):
+                assert answer["content"]["application/json"]["schema"] == {
+                    "$ref": "#/components/schemas/ErrorResponse"}, (operation_id, status)
+        if "requestBody" in op:
+            assert "413" in responses, operation_id
+        if path.startswith("/v1/") and not path.startswith("/v1/admin"):
+            assert {"401", "403", "503"} <= set(responses), operation_id
+    assert "HTTPValidationError" not in document["components"]["schemas"]
+
+
+def test_the_statuses_schemathesis_found_undocumented_are_declared(document: dict[str, Any]) -> None:
+    paths = document["paths"]
+    assert "404" in paths["/v1/models/{model_id}"]["get"]["responses"]
+    assert "400" in paths["/v1/usage"]["get"]["responses"]
+    # an empty POST creates an empty conversation, as OpenAI's: the body is optional
+    assert paths["/v1/conversations"]["post"]["requestBody"]["required"] is False
+    # found by the stateful phase: a response's stream resumed by id, and the cancel of one that ended
+    assert set(paths["/v1/responses/{response_id}"]["get"]["responses"]["200"]["content"]) == {
+        "application/json", "text/event-stream"}
+    assert "409" in paths["/v1/responses/{response_id}/cancel"]["post"]["responses"]
 
 
 def test_the_request_body_is_declared(operation: dict[str, Any]) -> None:
@@ -84,6 +157,21 @@ BODIES: list[dict[str, Any]] = [
     {**OK, "n": 2},
     {**OK, "messages": [{"role": "tool", "content": "x"}]},
     {**OK, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}], "name": "n"}]},
+    # at every depth: a message's, a part's and stream_options' fields
+    {**OK, "messages": [{"role": "user", "content": "a", "cache_control": {"type": "ephemeral"}}]},
+    {**OK, "messages": [{"role": "assistant", "content": "a", "tool_calls": [{"id": "c"}]}]},
+    {**OK, "messages": [{"role": "assistant", "content": "a", "tool_calls": [], "refusal": None,
+                         "annotations": [], "audio": None, "function_call": None}]},
+    {**OK, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+    {**OK, "messages": [{"role": "user", "content": [{"type": "text", "text": "a", "cache_control": {}}]}]},
+    {**OK, "stream": True, "stream_options": {"include_usage": True, "chunk": 1}},
+    {**OK, "stream": True, "stream_options": {"include_obfuscation": False}},
+    {**OK, "stream": True, "stream_options": {"include_obfuscation": True}},
+    # the bounds of free text
+    {**OK, "user": "u" * 256},
+    {**OK, "user": "u" * 257},
+    {**OK, "messages": [{"role": "user", "content": "a", "name": "n" * 65}]},
+    {**OK, "stop": ["s" * 257]},
 ]
 
 
@@ -91,6 +179,53 @@ BODIES: list[dict[str, Any]] = [
 def test_the_schema_accepts_exactly_what_the_gateway_accepts(body: dict[str, Any]) -> None:
     validator = jsonschema_rs.validator_for(chat_request_schema())
     assert validator.is_valid(body) == accepted(orjson.dumps(body))
+
+
+RESPONSE_OK: dict[str, Any] = {"model": "m", "input": "hi"}
+ITEM = {"role": "user", "content": [{"type": "input_text", "text": "a"}]}
+RESPONSE_BODIES: list[dict[str, Any]] = [
+    RESPONSE_OK,
+    {**RESPONSE_OK, "background": True},
+    {**RESPONSE_OK, "background": True, "store": True},
+    {**RESPONSE_OK, "background": True, "store": False},
+    {**RESPONSE_OK, "background": False, "store": False},
+    {**RESPONSE_OK, "conversation": "conv_1", "previous_response_id": "resp_1"},
+    {**RESPONSE_OK, "conversation": None, "previous_response_id": "resp_1"},
+    {**RESPONSE_OK, "conversation": {"id": "conv_1"}},
+    {**RESPONSE_OK, "tools": []},
+    {**RESPONSE_OK, "tools": [{"type": "web_search"}]},
+    {**RESPONSE_OK, "input": [ITEM]},
+    {**RESPONSE_OK, "input": [{**ITEM, "content": [{"type": "input_image", "image_url": "x"}]}]},
+    {**RESPONSE_OK, "input": [{**ITEM, "content": [{"type": "output_text", "text": "a", "annotations": []}]}]},
+    {**RESPONSE_OK, "input": [{**ITEM, "content": [{"type": "output_text", "text": "a", "annotations": [{}]}]}]},
+    {**RESPONSE_OK, "input": [{**ITEM, "content": [{"type": "input_text"}]}]},
+    {**RESPONSE_OK, "input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]},
+    {**RESPONSE_OK, "user": "u" * 257},
+]
+
+
+@pytest.mark.parametrize("body", RESPONSE_BODIES)
+def test_the_response_schema_accepts_exactly_what_the_gateway_accepts(body: dict[str, Any]) -> None:
+    validator = jsonschema_rs.validator_for(openapi_schema(ResponseCreate))
+    try:
+        parse_json(orjson.dumps(body), ResponseCreate)
+        accepted = True
+    except ApiError:
+        accepted = False
+    assert validator.is_valid(body) == accepted
+
+
+@pytest.mark.parametrize("value", ["1795000000", "1795000000.5", "0", "2026-11-27", "2026-11-27T09:00",
+                                   "2026-11-27T09:00:00Z", "2026-11-27 09:00:00.123+01:00", "", ".5", "1.",
+                                   "20261127", "2026-11-27T09", "2026-13-01", "now", "2026-11-27T24:00"])
+def test_usage_times_are_refused_exactly_when_the_document_says(value: str) -> None:
+    declared = jsonschema_rs.validator_for({"type": "string", "pattern": INSTANT}).is_valid(value)
+    try:
+        parse_time(value, "start")
+        parsed = True
+    except ApiError:
+        parsed = False
+    assert parsed == declared
 
 
 def test_a_405_says_which_methods_are_allowed() -> None:

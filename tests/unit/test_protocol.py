@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime
 from typing import Any
 
 import orjson
@@ -11,8 +12,20 @@ import pytest
 from bench.loadgen import Target, _body
 from bench.workload import Item
 from producers.gateway.errors import ApiError
-from producers.gateway.protocol import UNSUPPORTED
-from producers.gateway.routes.chat import parse_body
+from producers.gateway.protocol import (
+    MAX_MODEL_CHARS,
+    MAX_NAME_CHARS,
+    MAX_REQUEST_EVENT_BYTES,
+    MAX_STOP_CHARS,
+    MAX_USER_CHARS,
+    UNSUPPORTED,
+    check_request_size,
+    request_size_bound,
+)
+from producers.gateway.responses_protocol import ResponseCreate
+from producers.gateway.routes.chat import parse_body, parse_json
+from schemas.codec import codec_for
+from schemas.events import ChatMessage, ChatRequest, ReplyTo, SamplingSpec
 
 OK = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -30,10 +43,10 @@ def error_of(body: bytes) -> ApiError:
         (b"[1, 2]", None, "invalid_json"),
         (b'{"model": "m"}', "messages", "missing_required_parameter"),
         (b'{"model": "m", "messages": []}', "messages", "invalid_value"),
-        (b'{"model": "m", "messages": [{"role": "wizard", "content": "x"}]}', "messages.0.role", "invalid_value"),
-        (b'{"model": "m", "messages": [{"role": "user", "content": 42}]}', "messages.0.content", "invalid_value"),
+        (b'{"model": "m", "messages": [{"role": "wizard", "content": "x"}]}', "messages[0].role", "invalid_value"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": 42}]}', "messages[0].content", "invalid_value"),
         (b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
-         "messages.0.content.0.type", "invalid_value"),
+         "messages[0].content[0].type", "unsupported_parameter"),
         (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}', "max_tokens",
          "invalid_value"),
         (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 3}', "temperature",
@@ -149,7 +162,7 @@ def test_every_unknown_field_is_named_before_any_value_is_judged() -> None:
 
 def test_an_unknown_field_inside_a_text_part_is_named_with_its_path() -> None:
     err = error_of(with_fields(messages=[{"role": "user", "content": [{"type": "text", "text": "a", "cache": 1}]}]))
-    assert (err.param, err.code) == ("messages.0.content.0.cache", "unknown_parameter")
+    assert (err.param, err.code) == ("messages[0].content[0].cache", "unknown_parameter")
 
 
 @pytest.mark.parametrize(("fields", "param"), [
@@ -163,7 +176,7 @@ def test_an_unknown_field_inside_a_text_part_is_named_with_its_path() -> None:
     ({"seed": 1e19}, "seed"),
     ({"top_k": 2**31}, "top_k"),
     ({"stop": ""}, "stop"),
-    ({"stop": ["ok", ""]}, "stop.1"),
+    ({"stop": ["ok", ""]}, "stop[1]"),
 ])
 def test_values_are_taken_as_their_json_type_and_range(fields: dict[str, Any], param: str) -> None:
     err = error_of(with_fields(**fields))
@@ -219,3 +232,152 @@ def test_vllm_bench_serve_body_is_accepted() -> None:
         body = parse_body(orjson.dumps(payload))
         assert (body.stream, body.include_usage, body.ignore_eos, body.max_completion_tokens) == (True, True, True, 16)
     assert session.payloads[1]["top_k"] == 20
+
+
+# --- nothing is dropped at any depth (issue 36): a message's, a part's or stream_options' field is acted on or refused
+
+ECHOED_ASSISTANT = {"role": "assistant", "content": "Hello!", "refusal": None, "tool_calls": None,
+                    "function_call": None, "audio": None, "annotations": []}
+
+
+def with_messages(*messages: dict[str, Any], **fields: Any) -> bytes:
+    return with_fields(messages=[{"role": "user", "content": "hi"}, *messages], **fields)
+
+
+def test_an_assistant_message_echoed_by_the_sdk_is_accepted() -> None:
+    # what openai-python's ``completion.choices[0].message.model_dump()`` holds: every field a no-op
+    body = parse_body(with_messages(ECHOED_ASSISTANT))
+    assert body.messages[1].text() == "Hello!" and not body.messages[1].model_extra
+
+
+@pytest.mark.parametrize(("field", "value", "code"), [
+    ("cache_control", {"type": "ephemeral"}, "unknown_parameter"),
+    ("tool_calls", [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+     "unsupported_parameter"),
+    ("tool_call_id", "c1", "unsupported_parameter"),
+    ("refusal", "I cannot", "unsupported_parameter"),
+    ("audio", {"id": "a1"}, "unsupported_parameter"),
+    ("annotations", [{"type": "url_citation"}], "unsupported_parameter"),
+])
+def test_a_message_field_not_acted_on_is_refused_naming_its_full_path(field: str, value: Any, code: str) -> None:
+    err = error_of(with_messages({**ECHOED_ASSISTANT, field: value}))
+    assert (err.status, err.param, err.code) == (400, f"messages[1].{field}", code)
+    assert f"messages[1].{field}" in err.message
+    if code == "unknown_parameter":
+        assert err.message == f"Unrecognized request argument supplied: messages[1].{field}"
+
+
+@pytest.mark.parametrize("part_type", ["image_url", "input_audio", "file", "refusal"])
+def test_a_content_part_other_than_text_is_refused_naming_its_type(part_type: str) -> None:
+    err = error_of(with_messages({"role": "user", "content": [{"type": part_type, part_type: {}}]}))
+    assert (err.param, err.code) == ("messages[1].content[0].type", "unsupported_parameter")
+    assert f"'{part_type}'" in err.message
+
+
+@pytest.mark.parametrize(("options", "param", "code"), [
+    ({"include_usage": True, "chunk_size": 8}, "stream_options.chunk_size", "unknown_parameter"),
+    ({"include_obfuscation": True}, "stream_options.include_obfuscation", "unsupported_parameter"),
+])
+def test_a_stream_option_not_acted_on_is_refused(options: dict[str, Any], param: str, code: str) -> None:
+    err = error_of(with_fields(stream=True, stream_options=options))
+    assert (err.param, err.code) == (param, code)
+
+
+def test_stream_options_that_ask_for_nothing_more_are_accepted() -> None:
+    body = parse_body(with_fields(stream=True, stream_options={"include_usage": True, "include_obfuscation": False}))
+    assert body.include_usage
+
+
+# --- bounds of free text that is kept but never counted as tokens (issue 37 H2)
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"user": "u" * (MAX_USER_CHARS + 1)}, "user"),
+    ({"messages": [{"role": "user", "content": "x", "name": "n" * (MAX_NAME_CHARS + 1)}]}, "messages[0].name"),
+    ({"stop": ["s" * (MAX_STOP_CHARS + 1)]}, "stop[0]"),
+    ({"stop": "s" * (MAX_STOP_CHARS + 1)}, "stop"),
+    ({"model": "m" * (MAX_MODEL_CHARS + 1)}, "model"),
+    ({"metadata": {"k": "v" * 513}}, "metadata.k"),
+    ({"metadata": {"k" * 65: "v"}}, "metadata." + "k" * 65),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+])
+def test_free_text_beyond_its_bound_is_refused_naming_the_field(fields: dict[str, Any], param: str) -> None:
+    err = error_of(with_fields(**fields))
+    assert (err.status, err.param, err.code) == (400, param, "invalid_value")
+    assert err.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_free_text_at_its_bound_is_accepted() -> None:
+    body = parse_body(with_fields(user="u" * MAX_USER_CHARS, stop=["s" * MAX_STOP_CHARS],
+                                  messages=[{"role": "user", "content": "x", "name": "n" * MAX_NAME_CHARS}]))
+    assert body.user is not None and len(body.user) == MAX_USER_CHARS
+
+
+def request_of(text: str, *, tokens: int = 10, extra: str = "") -> tuple[ChatRequest, str]:
+    request = ChatRequest(
+        request_id="chatcmpl-1", created_at=datetime.now(UTC), org_id="org", key_id="key", tier="free", model="m",
+        messages=[ChatMessage(role="user", content=text)], prompt_token_ids=list(range(tokens)),
+        sampling=SamplingSpec(max_tokens=4), stream=False, reply=ReplyTo(partition=0, gateway_id="g"))
+    return request, extra
+
+
+def test_the_size_bound_of_a_request_is_never_below_its_encoding() -> None:
+    for text, tokens in (("", 0), ("hi", 3), ("é" * 1000, 2000), ("x" * 100_000, 8192)):
+        request, _ = request_of(text, tokens=tokens)
+        assert request_size_bound(request) >= len(codec_for(ChatRequest).encode(request))
+
+
+def test_a_request_within_the_limit_is_accepted() -> None:
+    check_request_size(*request_of("x" * 100_000, tokens=8192))
+
+
+HALF = MAX_REQUEST_EVENT_BYTES // 2
+
+
+@pytest.mark.parametrize(("text", "extra"), [("x" * MAX_REQUEST_EVENT_BYTES, ""), ("x" * HALF, "y" * HALF)])
+def test_a_request_that_would_write_more_than_the_limit_is_refused_before_it_is_produced(text: str,
+                                                                                        extra: str) -> None:
+    with pytest.raises(ApiError) as refused:
+        check_request_size(*request_of(text, extra=extra))
+    error = refused.value.body()["error"]
+    assert (refused.value.status, error["param"], error["code"]) == (400, "messages", "request_too_large")
+    assert str(MAX_REQUEST_EVENT_BYTES) in error["message"]
+
+
+# --- the Responses API and conversations: the same rules
+
+def response_error(**fields: Any) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        parse_json(orjson.dumps({"model": "m", "input": "hi", **fields}), ResponseCreate)
+    return info.value
+
+
+OUTPUT_ITEM = {"id": "msg_1", "type": "message", "status": "completed", "role": "assistant",
+               "content": [{"type": "output_text", "text": "Hello!", "annotations": [], "logprobs": []}]}
+
+
+def test_an_output_item_echoed_as_input_is_accepted() -> None:
+    body = parse_json(orjson.dumps({"model": "m", "input": [{"role": "user", "content": "hi"}, OUTPUT_ITEM]}),
+                      ResponseCreate)
+    assert [m.content for m in body.input_messages()] == ["hi", "Hello!"]
+
+
+@pytest.mark.parametrize(("fields", "param", "code"), [
+    ({"user": "u" * (MAX_USER_CHARS + 1)}, "user", "invalid_value"),
+    ({"model": "m" * (MAX_MODEL_CHARS + 1)}, "model", "invalid_value"),
+    ({"input": [{**OUTPUT_ITEM, "id": "i" * 129}]}, "input[0].id", "invalid_value"),
+    ({"input": [{**OUTPUT_ITEM, "status": "whatever"}]}, "input[0].status", "invalid_value"),
+    ({"input": [{**OUTPUT_ITEM, "cache_control": {}}]}, "input[0].cache_control", "unknown_parameter"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "a", "cache_control": {}}]}]},
+     "input[0].content[0].cache_control", "unknown_parameter"),
+    ({"input": [{"role": "user", "content": [{"type": "output_text", "text": "a", "annotations": [{"x": 1}]}]}]},
+     "input[0].content[0].annotations", "unsupported_parameter"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0].type", "unsupported_parameter"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0].type",
+     "unsupported_parameter"),
+    ({"stream_options": {"include_obfuscation": True}}, "stream_options", "unsupported_parameter"),
+])
+def test_a_response_field_not_acted_on_or_beyond_its_bound_is_refused(fields: dict[str, Any], param: str,
+                                                                      code: str) -> None:
+    err = response_error(**fields)
+    assert (err.status, err.param, err.code) == (400, param, code)

@@ -20,6 +20,8 @@ from pydantic import BaseModel, ValidationError
 
 from producers.gateway.deps import Caller, Context
 from producers.gateway.errors import (
+    CALLER_ERRORS,
+    READ_LIMITED,
     ApiError,
     ErrorResponse,
     bad_request,
@@ -27,6 +29,7 @@ from producers.gateway.errors import (
     from_validation,
 )
 from producers.gateway.event_stream import EventStreamResponse
+from producers.gateway.openapi import CREATED_ID, REQUEST_ID_HEADER, links
 from producers.gateway.protocol import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -37,7 +40,7 @@ from producers.gateway.protocol import (
 from runtime.streams import parse_event_id
 from runtime.tracing import child_of
 
-router = APIRouter()
+router = APIRouter(responses=CALLER_ERRORS)
 log = logging.getLogger(__name__)
 Body = TypeVar("Body", bound=BaseModel)
 Answer = TypeVar("Answer")
@@ -85,11 +88,19 @@ RETRY_HEADERS = {
     "retry-after": {"description": "Seconds to wait before retrying.", "schema": {"type": "string"}},
     "retry-after-ms": {"description": "The same, in milliseconds.", "schema": {"type": "string"}},
 }
+#: what a created completion's id leads to, streamed or not (its stored copy with ``store: true``)
+CREATED_LINKS = links(
+    GetChatCompletion=("getChatCompletion", {"completion_id": CREATED_ID}),
+    ResumeChatCompletionStream=("getChatCompletion", {"completion_id": CREATED_ID, "stream": True}),
+    GetChatCompletionMessages=("getChatCompletionMessages", {"completion_id": CREATED_ID}),
+    CancelChatCompletion=("cancelChatCompletion", {"completion_id": CREATED_ID}),
+    DeleteChatCompletion=("deleteChatCompletion", {"completion_id": CREATED_ID}),
+)
 RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {"headers": RATE_HEADERS, "model": ChatCompletion,
+    200: {"headers": {**REQUEST_ID_HEADER, **RATE_HEADERS}, "model": ChatCompletion,
           "description": "The completion: a `chat.completion` object, or with `stream: true` server-sent "
                          "`chat.completion.chunk` events ending with `data: [DONE]`.",
-          "content": {"text/event-stream": {"schema": STREAM_EVENT}}},
+          "content": {"text/event-stream": {"schema": STREAM_EVENT}}, **CREATED_LINKS},
     **error_responses({
         400: "Invalid request: a malformed body, an invalid or unsupported parameter, an unrecognized argument, "
              "a prompt or completion beyond the context, or a prompt refused by the content filter.",
@@ -148,7 +159,7 @@ async def until_answered(request: Request, answering: Coroutine[Any, Any, Answer
 
 
 @router.post("/v1/chat/completions", response_model=None, responses=RESPONSES, openapi_extra=OPENAPI_BODY,
-             dependencies=[Depends(bearer)])
+             dependencies=[Depends(bearer)], operation_id="createChatCompletion")
 async def chat_completions(request: Request, ctx: Context, key: Caller) -> Response:
     last_event_id = request.headers.get("last-event-id")
     if last_event_id is not None:
@@ -210,6 +221,7 @@ async def _resume(request: Request, ctx: Context, key: Caller, request_id: str, 
 
 
 @router.get("/v1/chat/completions/{completion_id}", response_model=None, dependencies=[Depends(bearer)],
+            operation_id="getChatCompletion",
             responses={200: {"description": "A stored completion (`store: true`) as a `chat.completion` object; with "
                                             "`stream=true`: the rest of the completion's stream, as server-sent "
                                             "events after the one named by `Last-Event-ID` or `starting_after` "
@@ -220,7 +232,8 @@ async def _resume(request: Request, ctx: Context, key: Caller, request_id: str, 
                                           401: "No API key, or an unknown one.",
                                           404: "No such stored completion, or stream: unknown, another "
                                                "organization's, deleted, or past its resume window.",
-                                          503: "Stored completions or the stream registry are unavailable."})})
+                                          503: "Stored completions or the stream registry are unavailable."}),
+                       **READ_LIMITED})
 async def get_chat_completion(
     completion_id: str, request: Request, ctx: Context, key: Caller,
     stream: bool = False,
@@ -240,6 +253,7 @@ async def get_chat_completion(
 
 
 @router.post("/v1/chat/completions/{completion_id}/cancel", response_model=None, dependencies=[Depends(bearer)],
+             operation_id="cancelChatCompletion",
              responses={200: {"description": "The cancel is on its way: the worker generating the completion stops "
                                             "within one engine step, wherever it runs. Billed for what reached its "
                                             "clients: every token emitted while a client is attached to its "

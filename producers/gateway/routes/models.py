@@ -7,17 +7,21 @@ from typing import Any
 from fastapi import APIRouter
 
 from producers.gateway.deps import Caller, Context
-from producers.gateway.errors import model_not_found
+from producers.gateway.errors import CALLER_ERRORS, error_responses, model_not_found
+from producers.gateway.openapi import links
 
-router = APIRouter()
+router = APIRouter(responses=CALLER_ERRORS)
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", operation_id="listModels", responses={
+    200: {"description": "The served models.",
+          **links(RetrieveModel=("retrieveModel", {"model_id": "$response.body#/data/0/id"}))}})
 async def list_models(ctx: Context, _key: Caller) -> dict[str, Any]:
     return {"object": "list", "data": [ctx.prompts.card.as_openai()]}
 
 
-@router.get("/v1/models/{model_id:path}")
+@router.get("/v1/models/{model_id:path}", operation_id="retrieveModel",
+            responses=error_responses({404: "This gateway serves no model of that name."}))
 async def get_model(model_id: str, ctx: Context, _key: Caller) -> dict[str, Any]:
     card = ctx.prompts.card
     if model_id != card.served_name:

@@ -9,22 +9,28 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from producers.gateway.deps import Caller, Context
-from producers.gateway.errors import ApiError, error_responses
+from producers.gateway.errors import CALLER_ERRORS, READ_LIMITED, ApiError, error_responses
 from producers.gateway.event_stream import EventStreamResponse
+from producers.gateway.openapi import CREATED_ID, REQUEST_ID_HEADER, links
 from producers.gateway.protocol import openapi_schema
 from producers.gateway.responses_protocol import ResponseCreate
 from producers.gateway.routes.chat import RATE_HEADERS, bearer, parse_json, until_answered
 from runtime.tracing import child_of
 
-router = APIRouter()
+router = APIRouter(responses=CALLER_ERRORS)
 
 _BODY = {"requestBody": {"required": True,
                          "content": {"application/json": {"schema": openapi_schema(ResponseCreate)}}}}
 _CREATE = {
-    200: {"headers": RATE_HEADERS, "description": "A `response` object (`queued` for a background one), or with "
-          "`stream: true` server-sent `response.*` events, each with its `sequence_number`.",
+    200: {"headers": {**REQUEST_ID_HEADER, **RATE_HEADERS},
+          "description": "A `response` object (`queued` for a background one), or with `stream: true` server-sent "
+                         "`response.*` events, each with its `sequence_number`.",
           "content": {"application/json": {"schema": {"type": "object"}},
-                      "text/event-stream": {"schema": {"type": "object"}}}},
+                      "text/event-stream": {"schema": {"type": "object"}}},
+          **links(GetResponse=("getResponse", {"response_id": CREATED_ID}),
+                  ResumeResponseStream=("getResponse", {"response_id": CREATED_ID, "stream": True}),
+                  CancelResponse=("cancelResponse", {"response_id": CREATED_ID}),
+                  DeleteResponse=("deleteResponse", {"response_id": CREATED_ID}))},
     **error_responses({
         400: "Invalid request: a malformed body, an unsupported parameter or input item, an input beyond the "
              "context (`context_length_exceeded`), or a previous response still in progress.",
@@ -44,7 +50,7 @@ _READ = error_responses({400: "A malformed parameter, or a response that cannot 
 
 
 @router.post("/v1/responses", response_model=None, responses=_CREATE, openapi_extra=_BODY,
-             dependencies=[Depends(bearer)])
+             dependencies=[Depends(bearer)], operation_id="createResponse")
 async def create_response(request: Request, ctx: Context, key: Caller) -> Response:
     body = parse_json(await request.body(), ResponseCreate)
     traceparent = child_of(request.headers.get("traceparent"))
@@ -67,7 +73,18 @@ async def create_response(request: Request, ctx: Context, key: Caller) -> Respon
     return JSONResponse(result, headers=headers)
 
 
-@router.get("/v1/responses/{response_id}", response_model=None, responses=_READ, dependencies=[Depends(bearer)])
+#: a response object, or with ``stream=true`` the rest of its stream
+_RETRIEVED: dict[int | str, dict[str, Any]] = {200: {
+    "description": "The `response` object; with `stream=true`, the rest of its stream as server-sent `response.*` "
+                   "events after `starting_after`, within its resume window.",
+    "content": {"application/json": {"schema": {"type": "object"}},
+                "text/event-stream": {"schema": {"type": "object"}}},
+}}
+
+
+@router.get("/v1/responses/{response_id}", response_model=None, responses={**_RETRIEVED, **_READ, **READ_LIMITED},
+            dependencies=[Depends(bearer)],
+            operation_id="getResponse")
 async def get_response(
     response_id: str, request: Request, ctx: Context, key: Caller, stream: bool = False,
     starting_after: int | None = Query(default=None, ge=-1, le=999_999_999,
@@ -83,12 +100,15 @@ async def get_response(
                                         "cache-control": "no-cache"})
 
 
-@router.post("/v1/responses/{response_id}/cancel", responses=_READ, dependencies=[Depends(bearer)])
+@router.post("/v1/responses/{response_id}/cancel", dependencies=[Depends(bearer)], responses={
+    **_READ, **error_responses({409: "The response has already ended (one that ran in the foreground, before its row "
+                                     "is stored); there is nothing to cancel."})},
+             operation_id="cancelResponse")
 async def cancel_response(response_id: str, request: Request, ctx: Context, key: Caller) -> dict[str, Any]:
     return await ctx.responses.cancel(response_id, key, traceparent=child_of(request.headers.get("traceparent")))
 
 
-@router.delete("/v1/responses/{response_id}", dependencies=[Depends(bearer)], responses={
+@router.delete("/v1/responses/{response_id}", dependencies=[Depends(bearer)], operation_id="deleteResponse", responses={
     **_READ, **error_responses({409: "The response is still being generated: cancel it (background) or wait."})})
 async def delete_response(response_id: str, ctx: Context, key: Caller) -> dict[str, Any]:
     return await ctx.responses.delete(response_id, key)

@@ -9,9 +9,10 @@ from typing import Any, Literal
 from fastapi import APIRouter, Query, Request
 
 from producers.gateway.deps import Caller, Context
-from producers.gateway.errors import bad_request, error_responses
+from producers.gateway.errors import CALLER_ERRORS, READ_LIMITED, bad_request, error_responses
+from producers.gateway.openapi import links
 
-router = APIRouter()
+router = APIRouter(responses=CALLER_ERRORS)
 
 #: ``metadata[key]=value`` query parameters (OpenAI's filter)
 _METADATA = re.compile(r"^metadata\[(.{1,64})\]$")
@@ -36,7 +37,10 @@ def _metadata(request: Request) -> dict[str, str]:
     return found
 
 
-@router.get("/v1/chat/completions", responses=_ERRORS)
+@router.get("/v1/chat/completions", operation_id="listChatCompletions", responses={
+    200: {"description": "A page of the organization's stored completions.",
+          **links(GetChatCompletion=("getChatCompletion", {"completion_id": "$response.body#/data/0/id"}))},
+    **_ERRORS, **READ_LIMITED})
 async def list_chat_completions(request: Request, ctx: Context, key: Caller, model: str | None = None,
                                 after: str | None = After, limit: int = Limit,
                                 order: Literal["asc", "desc"] = Order) -> dict[str, Any]:
@@ -45,13 +49,14 @@ async def list_chat_completions(request: Request, ctx: Context, key: Caller, mod
                                  metadata=_metadata(request))
 
 
-@router.get("/v1/chat/completions/{completion_id}/messages", responses=_ERRORS)
+@router.get("/v1/chat/completions/{completion_id}/messages", operation_id="getChatCompletionMessages",
+            responses={**_ERRORS, **READ_LIMITED})
 async def chat_completion_messages(completion_id: str, ctx: Context, key: Caller, after: str | None = After,
                                    limit: int = Limit, order: Literal["asc", "desc"] = Order) -> dict[str, Any]:
     await ctx.admission.admit_read(key)
     return await ctx.stored.messages(completion_id, key.org_id, after=after, limit=limit, ascending=order == "asc")
 
 
-@router.delete("/v1/chat/completions/{completion_id}", responses=_ERRORS)
+@router.delete("/v1/chat/completions/{completion_id}", operation_id="deleteChatCompletion", responses=_ERRORS)
 async def delete_chat_completion(completion_id: str, ctx: Context, key: Caller) -> dict[str, Any]:
     return await ctx.stored.delete(completion_id, key.org_id)

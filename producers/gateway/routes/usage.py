@@ -8,21 +8,33 @@ hours billing has not recomputed yet (``Ledger.usage``): a report never holds th
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Query
 
 from billing.ledger import Totals, parse_instant
 from producers.gateway.deps import Caller, Context
-from producers.gateway.errors import bad_request
+from producers.gateway.errors import CALLER_ERRORS, READ_LIMITED, bad_request, error_responses
 
-router = APIRouter()
+router = APIRouter(responses=CALLER_ERRORS)
 MAX_RANGE = timedelta(days=93)
+#: What ``start`` and ``end`` may be, as ``/openapi.json`` says: Unix seconds, or an ISO 8601 date or time (UTC
+#: unless it says otherwise); checked before parsing, so that the server refuses whatever the document does
+INSTANT = (r"^([0-9]{1,11}(\.[0-9]{1,6})?|[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
+           r"([T ]([01][0-9]|2[0-3]):[0-5][0-9](:[0-5][0-9](\.[0-9]{1,6})?)?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])?)?)$")
+_INSTANT = re.compile(INSTANT)
+
+
+def _instant(description: str, **query: Any) -> Any:
+    return Query(**query, description=description, json_schema_extra={"pattern": INSTANT})
 
 
 def parse_time(value: str, param: str) -> datetime:
     try:
+        if not _INSTANT.match(value):
+            raise ValueError(value)
         return parse_instant(value)
     except ValueError as exc:
         raise bad_request(f"'{param}' must be an ISO 8601 time or Unix seconds, got {value!r}.", param=param,
@@ -48,9 +60,13 @@ def _by_day(_model: str, at: datetime) -> str:
     return at.date().isoformat()
 
 
-@router.get("/v1/usage")
-async def usage(ctx: Context, key: Caller, start: str = Query(...), end: str | None = Query(None),
-                group_by: str = Query("model")) -> dict[str, Any]:
+@router.get("/v1/usage", operation_id="getUsage", responses=error_responses({
+    400: "A malformed `start`, `end` or `group_by`, `end` not after `start`, or a range of more than 93 days.",
+}) | READ_LIMITED)
+async def usage(ctx: Context, key: Caller,
+                start: str = _instant("The range's start (inclusive): Unix seconds or ISO 8601.", default=...),
+                end: str | None = _instant("The range's end (exclusive); now when absent.", default=None),
+                group_by: Literal["model", "day"] = Query("model")) -> dict[str, Any]:
     await ctx.admission.admit_read(key)
     begin = parse_time(start, "start")
     finish = parse_time(end, "end") if end is not None else datetime.now(UTC)
@@ -58,8 +74,6 @@ async def usage(ctx: Context, key: Caller, start: str = Query(...), end: str | N
         raise bad_request("'end' must be after 'start'.", param="end", code="invalid_value")
     if finish - begin > MAX_RANGE:
         raise bad_request(f"The range may span at most {MAX_RANGE.days} days.", param="start", code="invalid_value")
-    if group_by not in ("model", "day"):
-        raise bad_request("'group_by' must be 'model' or 'day'.", param="group_by", code="invalid_value")
     groups = await ctx.ledger.usage(key.org_id, begin, finish, _by_model if group_by == "model" else _by_day)
     total = sum(groups.values(), Totals())
     return {
