@@ -38,6 +38,9 @@ class _NoAdmission:
     def __init__(self) -> None:
         self.accepted = 0
 
+    def refuse_early(self, key: Any) -> None:
+        return None  # no refusal remembered
+
     async def accept(self, *_: Any, **__: Any) -> Any:
         self.accepted += 1
         return SimpleNamespace(request_id="chatcmpl-x", ticket=None)

@@ -166,6 +166,7 @@ async def chat_completions(request: Request, ctx: Context, key: Caller) -> Respo
         # A client reconnecting to a stream (its body is the original request's): the rest of that stream.
         request_id, position = _last_event(last_event_id)
         return await _resume(request, ctx, key, request_id, position)
+    ctx.chat.refuse_early(key)  # a throttled key: 429 before its body is even parsed
     body = parse_body(await request.body())
     # Checked on every request before admission (/openapi.json declares it on the operation); streams use it
     event_ids = _event_ids(request)

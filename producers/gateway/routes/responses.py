@@ -52,6 +52,7 @@ _READ = error_responses({400: "A malformed parameter, or a response that cannot 
 @router.post("/v1/responses", response_model=None, responses=_CREATE, openapi_extra=_BODY,
              dependencies=[Depends(bearer)], operation_id="createResponse")
 async def create_response(request: Request, ctx: Context, key: Caller) -> Response:
+    ctx.chat.refuse_early(key)  # a throttled key: 429 before its body is even parsed
     body = parse_json(await request.body(), ResponseCreate)
     traceparent = child_of(request.headers.get("traceparent"))
     accepted, view = await ctx.responses.create(
