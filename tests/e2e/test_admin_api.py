@@ -13,7 +13,7 @@ import pytest
 from producers.tenancy.admin import OPERATORS_ORG
 from tests.conftest import GATEWAY_PORT, Caller
 from tests.e2e.conftest import MODEL
-from tests.helpers import wait_for
+from tests.helpers import ServiceProcess, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -22,7 +22,8 @@ CHAT = f"http://127.0.0.1:{GATEWAY_PORT}/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
-def admin_key(make_caller) -> str:  # type: ignore[no-untyped-def]
+def admin_key(gateway: ServiceProcess, make_caller) -> str:  # type: ignore[no-untyped-def]
+    """An admin key, and the session's gateway up to use it."""
     caller: Caller = make_caller(org=OPERATORS_ORG, tier="enterprise", admin=True)
     return caller.secret
 

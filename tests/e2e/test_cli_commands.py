@@ -55,7 +55,7 @@ async def status_of(http: httpx.AsyncClient, secret: str) -> httpx.Response:
                            json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})
 
 
-async def test_kns_chat_streams_an_answer_through_the_gateway(caller: Caller, stack: Settings,
+async def test_kns_chat_streams_an_answer_through_the_gateway(gateway: object, caller: Caller, stack: Settings,
                                                              service_env: dict[str, str]) -> None:
     out = await run(service_env, "chat", "What is the capital of France?", "--api-key", caller.secret,
                     "--max-tokens", "16")

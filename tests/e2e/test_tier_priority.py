@@ -51,7 +51,8 @@ async def queues_holding(stack: Settings, request_id: str) -> list[TopicSpec]:
     return held
 
 
-async def test_each_tier_lands_on_its_classs_work_queue(make_caller, stack: Settings) -> None:  # type: ignore[no-untyped-def]
+async def test_each_tier_lands_on_its_classs_work_queue(gateway: ServiceProcess, make_caller,  # type: ignore[no-untyped-def]
+                                                       stack: Settings) -> None:
     landed = {}
     for tier in ("free", "plus", "enterprise"):
         caller = make_caller(org=f"org-class-{tier}-{SESSION}", tier=tier)
