@@ -27,6 +27,7 @@ import httpx
 from bench.servers import Proc
 from ops.stack.manager import StackManager
 from ops.stack.provision import apply_schema
+from ops.stack.services import REDIS_MAXMEMORY, REDIS_MAXMEMORY_POLICY
 from producers.tenancy.admin import UNLIMITED, KeyCreate, open_admin
 from runtime.kafka_clients import ensure_topics, make_admin
 from runtime.settings import REPO_ROOT, RedisSettings, Settings
@@ -147,7 +148,8 @@ class ChaosEnv:
         self.api_key = await self._api_key()
         redis = Proc(f"chaos-{self.run_id}-redis", [
             shutil.which("redis-server") or "redis-server", "--port", str(self.ports.redis), "--bind", "127.0.0.1",
-            "--save", "", "--appendonly", "no", "--dir", str(self.run_dir)], dict(os.environ), "")
+            "--save", "", "--appendonly", "no", "--dir", str(self.run_dir),
+            "--maxmemory", REDIS_MAXMEMORY, "--maxmemory-policy", REDIS_MAXMEMORY_POLICY], dict(os.environ), "")
         billing = Proc(f"chaos-{self.run_id}-billing", [sys.executable, "-m", "ops.cli", "processor", "billing"],
                        self.env(), f"http://127.0.0.1:{self.ports.billing}/health")
         self.others = [redis, billing]

@@ -22,7 +22,7 @@ from functools import partial
 from typing import Any
 
 from producers.gateway.admission import Ticket
-from producers.gateway.errors import ApiError, bad_request, unavailable
+from producers.gateway.errors import ApiError, unavailable
 from producers.gateway.pending_writes import PendingWrites
 from producers.gateway.prompt import PromptBuilder
 from producers.gateway.publisher import EventPublisher
@@ -34,7 +34,7 @@ from producers.gateway.responses_protocol import (
     response_object,
     usage_of,
 )
-from producers.gateway.service import Accepted, ChatService, HandedOver, generation_failed
+from producers.gateway.service import Accepted, ChatService, HandedOver, finished_already, generation_failed
 from producers.gateway.stored import STORE_ERRORS
 from producers.gateway.turns import TurnAsk, TurnPlanner, context_exceeded
 from producers.relay.collector import Delta
@@ -256,8 +256,7 @@ class ResponsesService:
             if stored is None:
                 return response_object(view, "cancelled")
         if not stored.background:
-            raise bad_request("Only background responses can be cancelled.", param="response_id",
-                              code="invalid_request")
+            raise finished_already(response_id, responses=True)  # as before the writer stored it: one answer
         return stored_body(stored)  # it ended before the cancel took: as it ended
 
     async def delete(self, response_id: str, key: ApiKey) -> dict[str, Any]:

@@ -48,7 +48,7 @@ from producers.gateway.errors import (
 )
 from producers.gateway.pending_writes import PendingWrites
 from producers.gateway.prompt import PromptBuilder, to_event_messages
-from producers.gateway.protocol import ChatCompletionRequest, usage_dict
+from producers.gateway.protocol import ChatCompletionRequest, check_request_size, usage_dict
 from producers.gateway.publisher import EventPublisher
 from producers.gateway.turns import TurnAsk, TurnPlanner
 from producers.relay.collector import Delta, StreamCollector
@@ -232,6 +232,7 @@ class ChatService:
                      include_usage: bool = False, extra: str = "") -> Accepted:
         """Admit a built request (429 past its limits), produce it and record its stream: the request is in
         Kafka when this returns. ``extra``: what a resume needs besides the stream (a Responses stream's object)."""
+        check_request_size(request, extra)  # a record Kafka and Redis keep: bounded before anything is admitted
         prompt_ids, sampling, created_at = request.prompt_token_ids, request.sampling, request.created_at
         # Reserves prompt + max_tokens against the key's and org's limits (429 past them) before anything is produced
         budget = self._admission.hold_for(key.org, request.model, len(prompt_ids), sampling.max_tokens, created_at)
@@ -392,8 +393,7 @@ class ChatService:
         except STREAM_STORE_ERRORS as exc:
             raise unavailable("The stream registry is unavailable; retry the cancel.") from exc
         if finished:
-            raise ApiError(409, f"The completion '{request_id}' has already ended; there is nothing to cancel.",
-                           code="completion_finished")
+            raise finished_already(request_id, responses=responses)
         try:
             await self._publisher.cancel(request_id, "cancelled by the client", traceparent)
         except KafkaError as exc:
@@ -678,6 +678,12 @@ STREAM_ERRORS: dict[str, tuple[int, str]] = {
     ErrorCode.GATEWAY_STOPPING: (503, "service_unavailable"),
     ErrorCode.STREAM_TIMEOUT: (504, "timeout"),
 }
+
+
+def finished_already(request_id: str, *, responses: bool) -> ApiError:
+    """A cancel of a generation that already ended (409: nothing changes)."""
+    what, code = ("response", "response_finished") if responses else ("completion", "completion_finished")
+    return ApiError(409, f"The {what} '{request_id}' has already ended; there is nothing to cancel.", code=code)
 
 
 def generation_failed(delta: Delta) -> ApiError:

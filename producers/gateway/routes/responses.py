@@ -102,8 +102,8 @@ async def get_response(
 
 
 @router.post("/v1/responses/{response_id}/cancel", dependencies=[Depends(bearer)], responses={
-    **_READ, **error_responses({409: "The response has already ended (one that ran in the foreground, before its row "
-                                     "is stored); there is nothing to cancel."})},
+    **_READ, **error_responses({409: "The response has already ended (one that ran in the foreground); there is "
+                                     "nothing to cancel (`response_finished`)."})},
              operation_id="cancelResponse")
 async def cancel_response(response_id: str, request: Request, ctx: Context, key: Caller) -> dict[str, Any]:
     return await ctx.responses.cancel(response_id, key, traceparent=child_of(request.headers.get("traceparent")))
