@@ -669,3 +669,76 @@ def affinity_table(result: dict[str, Any]) -> Table:
                       f"{row['ttft_s_p50'] * 1000:.0f}"]
         table.add_row(str(turn), *cells)
     return table
+
+
+@app.command("flood")
+def flood(
+    rounds: int = typer.Option(3, min=1, help="Rounds of: the victim alone, then under each flood (tier x rate)."),
+    streams: int = typer.Option(120, min=1, help="The victim's streams per phase."),
+    concurrency: int = typer.Option(8, min=1, help="The victim's streams at once."),
+    max_tokens: int = typer.Option(32, min=2, help="Tokens per victim stream."),
+    tokens_per_s: float = typer.Option(50.0, min=1, help="Tokens per second per stream (synthetic engine)."),
+    connections: int = typer.Option(32, min=1, help="The attacker's keep-alive connections."),
+    rate: list[float] = typer.Option([300.0], "--rate", min=0, help="Requests per second the attacker offers, all "
+                                     "kinds together (0: each connection sends as soon as it is answered); repeat "
+                                     "for a flood at each rate in every round."),
+    tier: list[str] = typer.Option(["plus", "free"], "--tier", help="An attacking org of this tier; repeat for one of "
+                                   "each (free: nearly all refused, what the refusals cost; plus: its allowance "
+                                   "served too)."),
+    pin: bool = typer.Option(True, help="The gateway on a core of its own, the clients on the others."),
+    port_base: int = typer.Option(17900, help="First port of the bench stack's services."),
+    as_json: bool = JSON,
+) -> None:
+    """One tenant's flood of resumes, list reads and conversation writes vs another tenant's TTFT and ITL."""
+    from bench.tenant_flood import FloodShape, run
+
+    out = _out(as_json)
+    shape = FloodShape(rounds=rounds, streams=streams, concurrency=concurrency, max_tokens=max_tokens,
+                       tokens_per_s=tokens_per_s, connections=connections, rates=tuple(rate), tiers=tuple(tier))
+    result = asyncio.run(run(load_settings(), shape, port_base=port_base, pin=pin, say=_say(out)))
+    if not as_json:
+        for table in flood_tables(result):
+            show(out, table)
+        b = result["bound"]
+        for name, check in b["by_flood"].items():
+            verdict = "[green]holds[/green]" if check["holds"] else "[red]does not hold[/red]"
+            out.print(f"bound, {name}: TTFT p99 moved {check['moved_s'] * 1000:+.0f} ms (alone "
+                      f"{check['alone_p99_s'] * 1000:.0f}, flooded {check['flood_p99_s'] * 1000:.0f}); allowed "
+                      f"{check['allowed_s'] * 1000:.0f} (the larger of {b['share']:.0%} and "
+                      f"{b['floor_s'] * 1000:.0f} ms): {verdict}")
+    _saved(out, as_json, save("tenant-flood", result))
+
+
+def flood_tables(result: dict[str, Any]) -> list[Table]:
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value * 1000:.0f}"
+
+    phases = Table(title="the victim per phase (ms); the attacker's requests/s, 429s; the gateway's CPU s")
+    for column in ("round", "phase", "done", "TTFT p50/p99", "ITL p50/p99", "att. /s", "429", "gw CPU"):
+        phases.add_column(column, justify="left" if column == "phase" else "right")
+
+    def row(round_: str, name: str, v: dict[str, Any], a: dict[str, Any] | None, gateway_s: float) -> None:
+        refused = "-" if a is None else str(a["reads"].get("429", 0) + a["writes"].get("429", 0))
+        phases.add_row(round_, name, f"{v['completed']}/{v['streams']}",
+                       f"{ms(v['ttft_s']['p50'])}/{ms(v['ttft_s']['p99'])}",
+                       f"{ms(v['itl_s']['p50'])}/{ms(v['itl_s']['p99'])}", "-" if a is None else f"{a['per_s']:g}",
+                       refused, f"{gateway_s:.1f}")
+
+    for p in result["phases"]:
+        row(str(p["round"] + 1), p["phase"], p["victim"], p["attacker"], p["cpu_s"]["gateway"])
+    for name, pooled in result["pooled"].items():
+        row("all", name, pooled, pooled.get("attacker"), pooled["cpu_s"]["gateway"])
+    tables = [phases]
+    for name, pooled in result["pooled"].items():
+        if "attacker" not in pooled:
+            continue
+        kinds = Table(title=f"the attacker's answers, {name} (all rounds)")
+        for column in ("request", "per s", "admitted", "429", "other"):
+            kinds.add_column(column, justify="left" if column == "request" else "right")
+        for kind, counted in pooled["attacker"]["by_kind"].items():
+            statuses = counted["statuses"]
+            admitted = sum(n for s, n in statuses.items() if s.startswith("2"))
+            other = ", ".join(f"{s}: {n}" for s, n in statuses.items() if not s.startswith("2") and s != "429")
+            kinds.add_row(kind, f"{counted['per_s']:g}", str(admitted), str(statuses.get("429", 0)), other or "-")
+        tables.append(kinds)
+    return tables
