@@ -1,7 +1,7 @@
 """Resuming a chat completion's stream from a position (``GET /v1/chat/completions/{id}?stream=true`` with
 ``starting_after=<position>`` or ``Last-Event-ID``, what a browser's EventSource can send; or the ``POST`` with
 ``Last-Event-ID``, what an SDK retrying sends) gives exactly the events after it, and a resume is not a new request:
-a key whose requests per minute are spent still resumes its stream."""
+a key whose requests per minute are spent still resumes its streams."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 from producers.tenancy.admin import Limits
 from tests.conftest import GATEWAY_PORT, SESSION, Caller
 from tests.e2e.test_resume import BODY, events
+from tests.helpers import ServiceProcess
 
 pytestmark = pytest.mark.e2e
 
@@ -76,7 +77,8 @@ def is_the_rest(resumed: list[Event], first: list[Event], at: int) -> bool:
             and resumed[-1] == first[-1])
 
 
-async def test_a_stream_resumed_from_a_position_gets_exactly_the_events_after_it(caller: Caller) -> None:
+async def test_a_stream_resumed_from_a_position_gets_exactly_the_events_after_it(gateway: ServiceProcess,
+                                                                                  caller: Caller) -> None:
     async with httpx.AsyncClient(timeout=120) as http:
         _, first = await streamed(http, caller)
         request_id = first[0][0].rpartition(":")[0]
@@ -92,19 +94,23 @@ async def test_a_stream_resumed_from_a_position_gets_exactly_the_events_after_it
     assert is_the_rest(by_post, first, early), (early, first, by_post)
 
 
-async def test_a_key_whose_requests_per_minute_are_spent_still_resumes_its_stream(make_caller) -> None:  # type: ignore[no-untyped-def]
-    one_a_minute = make_caller(org=f"org-resume-rpm-{SESSION}", tier="plus",
-                               limits=Limits(requests_per_minute=1, max_concurrent=1000))
+async def test_a_key_whose_requests_per_minute_are_spent_still_resumes_its_streams(  # type: ignore[no-untyped-def]
+        gateway: ServiceProcess, make_caller) -> None:
+    """A resume takes nothing from the request limit; it takes one read from the read limit, which has as many a
+    minute as the org's requests (docs/OPERATIONS.md): two a minute here, for two requests and two resumes."""
+    two_a_minute = make_caller(org=f"org-resume-rpm-{SESSION}", tier="plus",
+                               limits=Limits(requests_per_minute=2, max_concurrent=1000))
     async with httpx.AsyncClient(timeout=120) as http:
-        answered, first = await streamed(http, one_a_minute)
-        request_id = first[0][0].rpartition(":")[0]
-        refused = await http.post(URL, json=SHORT, headers=auth(one_a_minute))
-        at = position(first[3])
-        by_get = await resumed(http, one_a_minute, request_id, starting_after=at)
-        by_post = await resumed(http, one_a_minute, request_id, last_event_id=f"{request_id}:{at}", post=True)
-        from_start = await resumed(http, one_a_minute, request_id)
-        still_refused = await http.post(URL, json=SHORT, headers=auth(one_a_minute))
+        _, first = await streamed(http, two_a_minute)
+        answered, second = await streamed(http, two_a_minute)
+        refused = await http.post(URL, json=SHORT, headers=auth(two_a_minute))
+        request_ids = [stream[0][0].rpartition(":")[0] for stream in (first, second)]
+        at, at_second = position(first[3]), position(second[3])
+        by_get = await resumed(http, two_a_minute, request_ids[0], starting_after=at)
+        by_post = await resumed(http, two_a_minute, request_ids[1], last_event_id=f"{request_ids[1]}:{at_second}",
+                                post=True)
+        still_refused = await http.post(URL, json=SHORT, headers=auth(two_a_minute))
     assert answered.headers["x-ratelimit-remaining-requests"] == "0"
     assert refused.status_code == 429 and refused.json()["error"]["type"] == "requests", refused.text
-    assert is_the_rest(by_get, first, at) and is_the_rest(by_post, first, at) and is_the_rest(from_start, first, -1)
-    assert still_refused.status_code == 429  # and nothing was given back: the minute's one request stays spent
+    assert is_the_rest(by_get, first, at) and is_the_rest(by_post, second, at_second)
+    assert still_refused.status_code == 429  # and nothing was given back: the minute's requests stay spent
