@@ -35,8 +35,8 @@ from runtime.limiter import Limits
 from runtime.settings import KafkaSettings, TierTable
 from schemas.codec import codec_for
 from schemas.errors import DecodeError
-from schemas.events import KeyRecord, OrgRecord, utcnow
-from schemas.topics import TOPICS
+from schemas.events import ChatRequest, KeyRecord, OrgRecord, utcnow
+from schemas.topics import TOPICS, TopicSpec
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,13 @@ def limits_for(org: OrgRecord, tiers: TierTable) -> Limits:
         tokens_per_minute=own.tokens_per_minute or policy.tokens_per_minute,
         max_concurrent=own.max_concurrent or policy.max_concurrent,
     )
+
+
+def work_queue(request: ChatRequest, tiers: TierTable) -> TopicSpec:
+    """Where an admitted request goes: the work queue of its tier's priority class
+    (``KNS_TENANCY__TIERS__<TIER>__PRIORITY`` moves a tier to another class); the gateway and the safety pre-filter
+    route alike."""
+    return TOPICS.admitted(tiers.policy(request.tier).priority)
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from runtime.redis_client import make_redis
 from runtime.settings import Settings
 from runtime.streams import StreamDirectory
 from runtime.suspensions import KeySuspensions
-from runtime.tenancy import TenancyView
+from runtime.tenancy import TenancyView, work_queue
 from schemas.topics import TOPICS
 from stream_processors.store.completions import CompletionStore
 from stream_processors.store.conversations import ConversationStore
@@ -103,7 +103,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         publisher = EventPublisher(
             producer, kafka,
             (lambda _: TOPICS.requests_submitted) if settings.safety.prefilter else
-            (lambda request: TOPICS.admitted(tiers.policy(request.tier).priority)),
+            partial(work_queue, tiers=tiers),
             TOPICS.control, claim.gateway_id, affinity=settings.gateway.conversation_affinity)
         tenancy_settings = settings.tenancy
         price_store = await asyncio.to_thread(PriceStore, session, settings.cassandra.keyspace,

@@ -7,7 +7,6 @@ import re
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from runtime.settings import TierTable
 from schemas.events import (
     ChatRequest,
     ControlAction,
@@ -19,7 +18,6 @@ from schemas.events import (
     TokenUsage,
     utcnow,
 )
-from schemas.topics import TOPICS, TopicSpec
 from stream_processors.safety.classifier import Verdict
 
 PREFILTER = "safety-prefilter"
@@ -102,12 +100,6 @@ def unreadable(request_id: str, reason: str) -> TokenEvent:
                       finish_reason="error", error=f"the safety processor cannot read the request ({reason})",
                       error_code=ErrorCode.UNDECODABLE_REQUEST.value, worker_id=PREFILTER,
                       emitted_at_us=int(utcnow().timestamp() * 1_000_000))
-
-
-def work_queue(request: ChatRequest, tiers: TierTable) -> TopicSpec:
-    """Where an admitted request goes: the work queue of its tier's priority class
-    (``KNS_TENANCY__TIERS__<TIER>__PRIORITY`` moves a tier to another class)."""
-    return TOPICS.admitted(tiers.policy(request.tier).priority)
 
 
 def refusal(request: ChatRequest) -> TokenEvent:

@@ -31,6 +31,7 @@ from runtime.metrics import SAFETY_PREFILTER_DELAY, SAFETY_STALE
 from runtime.redis_client import key as redis_key
 from runtime.redis_client import make_redis
 from runtime.settings import Settings
+from runtime.tenancy import work_queue
 from schemas.codec import codec_for
 from schemas.events import (
     ChatRequest,
@@ -53,7 +54,6 @@ from stream_processors.safety.policy import (
     refusal,
     unreadable,
     verdict_event,
-    work_queue,
 )
 from stream_processors.safety.screening import PromptScreen, classify_many, counted
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from runtime.settings import load_settings
+from runtime.tenancy import work_queue
 from schemas.events import ChatRequest
 from schemas.topics import TOPICS
-from stream_processors.safety.policy import work_queue
 from tests.unit.test_safety_policy import request
 
 
