@@ -19,7 +19,7 @@ from runtime.kafka_clients import all_partitions, consume, make_consumer, stop_c
 from runtime.settings import KafkaSettings
 from schemas.codec import codec_for
 from schemas.errors import DecodeError
-from schemas.events import ControlEvent
+from schemas.events import ORIGIN_ATTACHMENT, ControlEvent
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,9 @@ class RecentControls:
             remembered.connections.pop(name, None)
             remembered.connections[name] = event
             while len(remembered.connections) > self.PER_REQUEST:
-                remembered.connections.pop(next(iter(remembered.connections)))
+                # the oldest resume's goes; the accepting connection's never (a takeover must know it detached)
+                oldest = next(n for n in remembered.connections if n != ORIGIN_ATTACHMENT)
+                remembered.connections.pop(oldest)
         elif event.delivered_tokens is not None:  # a v2 gateway's cancel: its connection ended
             remembered.connections[f"@{event.issued_by}"] = event
         self._events.move_to_end(event.request_id)

@@ -67,6 +67,7 @@ from runtime.metrics import (
     WORKER_DEFERRED,
     WORKER_FINISHED,
     WORKER_IN_FLIGHT,
+    WORKER_REPLAYED_TOKENS,
     WORKER_SKIPPED,
     WORKER_SUSPENDED,
     WORKER_TAKEOVERS,
@@ -133,9 +134,6 @@ class Job:
     seq: int = 0
     last_delivery: Delivery | None = None
     in_flight: set[Delivery] = field(default_factory=set)
-    #: what is billed of a generation stopped before its end (None: everything emitted), decided when it is
-    #: stopped from its client connections (``listeners.py``)
-    received_cap: int | None = None
     #: the client connections of its stream, from the control topic and the presence check
     listeners: Listeners = field(default_factory=lambda: Listeners.of(""))
     #: every token emitted so far (earlier attempts' included) and its text: where a suspended generation continues
@@ -143,6 +141,13 @@ class Job:
     emitted_text: list[str] = field(default_factory=list)
     #: set while the generation is suspended (no client attached); set again when one is
     attended: asyncio.Event | None = None
+    #: out of the engine's batch: suspended, or back but waiting for room in the batch
+    parked: bool = False
+    #: time spent suspended (left out of its time to first token)
+    suspended_s: float = 0.0
+    #: stopped by a cancel, a halt or its window: billed by its connections once what was emitted is known
+    #: (``Listeners.received_cap``, at the commit: a takeover stopped while it reads the log back knows it then)
+    billed_by_connections: bool = False
     #: generation is over and its outcome being committed: aborting it now would only lose the commit
     finalizing: bool = False
     #: the completion's text so far, earlier attempts' included (kept only when it is stored or a turn recorded)
@@ -159,7 +164,7 @@ class Job:
 
     @property
     def suspended(self) -> bool:
-        return self.attended is not None and not self.attended.is_set()
+        return self.parked
 
 
 @dataclass
@@ -197,6 +202,9 @@ class Intake:
         self.clock = clock
         self.jobs: dict[str, Job] = {}
         self._controls = RecentControls()
+        self._draining = False
+        #: set whenever room in the engine's batch may have freed: wakes a generation back from a suspension
+        self._room_for_parked = asyncio.Event()
         #: partitions records may be admitted from (owned, and not being rebalanced), with the consumer-group
         #: generation that assigned them: the attempt number of every request admitted from there
         self._active: dict[TopicPartition, int] = {}
@@ -233,7 +241,7 @@ class Intake:
 
     def capacity(self) -> int:
         # A suspended generation is out of the engine's batch: its room is the engine's again meanwhile
-        return self._max - sum(1 for job in self.jobs.values() if not job.suspended)
+        return self._max - self._in_batch()
 
     async def handle(self, request: ChatRequest, record: ConsumerRecord[bytes, bytes]) -> None:
         """Called by the consumer loop for each request record, in partition order."""
@@ -258,7 +266,9 @@ class Intake:
         attempt = self._active[tp]
         inherited = self._offsets.inherited(tp, record.offset)
         cancelled = self._controls.stop(request.request_id) is not None
-        head = self._head_start(request, tp, attempt) if not inherited and not cancelled else None
+        # Nobody attached (its client dropped while it waited): no head start, it is suspended before any prefill
+        attended = request.background or self._listeners_of(request).live
+        head = self._head_start(request, tp, attempt) if not inherited and not cancelled and attended else None
         started = time.perf_counter()
         try:
             claim = await self._claims.claim(request.request_id, f"{record.topic}:{record.partition}:{record.offset}",
@@ -290,7 +300,7 @@ class Intake:
             # Cancelled while it waited in the backlog (or for its claim): commit it as such, the engine forgets it.
             await _dropped(head)
             job.abort_cause = _cause(early)
-            job.received_cap = job.listeners.received_cap(job.tokens)
+            job.billed_by_connections = True
         elif not job.takeover:
             job.head = head
         self.jobs[request.request_id] = job
@@ -394,7 +404,7 @@ class Intake:
         log.info("aborting on control event", extra={"request_id": event.request_id,
                                                       "action": event.action.value, "reason": event.reason})
         if job.abort_cause is None:
-            job.received_cap = job.listeners.received_cap(job.tokens)
+            job.billed_by_connections = True
         self._abort(job, _cause(event))
 
     def listeners_changed(self, job: Job, now: float | None = None) -> None:
@@ -412,7 +422,7 @@ class Intake:
         if job is None or job.listeners.live:
             return False
         if job.abort_cause is None:
-            job.received_cap = job.listeners.received_cap(job.tokens)
+            job.billed_by_connections = True
         self._abort(job, "unattended")
         return True
 
@@ -422,10 +432,12 @@ class Intake:
         job.abort_cause = cause
         job.task.cancel()
 
-    async def abort_partitions(self, partitions: Iterable[TopicPartition], cause: str) -> None:
+    async def abort_partitions(self, partitions: Iterable[TopicPartition], cause: str,
+                               only: Callable[[Job], bool] | None = None) -> None:
         """Stop generating the requests of these partitions (moved, or the worker is stopping)."""
         moved = set(partitions)
-        jobs = [j for j in self.jobs.values() if j.source in moved and j.task is not None]
+        jobs = [j for j in self.jobs.values()
+                if j.source in moved and j.task is not None and (only is None or only(j))]
         for job in jobs:
             job.abort_cause = cause  # overrides a pending cancel: the next owner commits that one
             assert job.task is not None
@@ -433,7 +445,12 @@ class Intake:
         await asyncio.gather(*(j.task for j in jobs if j.task is not None), return_exceptions=True)
 
     async def drain(self, timeout_s: float) -> None:
-        """Let running requests finish (graceful stop); whatever remains after the timeout is aborted."""
+        """Let running requests finish (graceful stop); whatever remains after the timeout is aborted. A suspended
+        one (nobody attached) is aborted at once, left to the partition's next owner, as is one that would suspend
+        meanwhile: no window can end while the worker stops."""
+        self._draining = True
+        await self.abort_partitions({j.source for j in self.jobs.values() if j.suspended}, "shutdown",
+                                    only=lambda j: j.suspended)
         tasks = [j.task for j in self.jobs.values() if j.task is not None]
         if tasks:
             await asyncio.wait(tasks, timeout=timeout_s)
@@ -463,6 +480,7 @@ class Intake:
             del self.jobs[job.request.request_id]
         WORKER_IN_FLIGHT.set(len(self.jobs))
         self.room_freed.set()
+        self._room_for_parked.set()
 
     async def _generate(self, job: Job) -> Outcome | None:
         """Run the engine; the outcome to commit, or None when nothing is committed (moved, stopping)."""
@@ -569,10 +587,14 @@ class Intake:
 
     async def _stream(self, job: Job) -> Outcome:
         while True:
+            if not job.listeners.live and not job.request.background:
+                # Nobody to receive it, before any prefill (a head start, a takeover of a suspended stream)
+                await _dropped(job.head)
+                job.head = None
+                await self._suspend(job)
             outcome = await self._generate_attended(job)
             if outcome is not None:
                 return outcome
-            await self._suspend(job)
 
     async def _generate_attended(self, job: Job) -> Outcome | None:
         """Generate while some client is attached; None once none is (the engine has forgotten the request)."""
@@ -589,18 +611,36 @@ class Intake:
 
     async def _suspend(self, job: Job) -> None:
         """Nobody is attached: wait out of the engine for a client to come back (a cancel, the window's end or a
-        revocation ends the wait by cancelling this task); then continue from what was emitted."""
-        job.attended = asyncio.Event()
+        revocation ends the wait by cancelling this task), then for room in the engine's batch (others were
+        admitted in its room meanwhile); then continue from what was emitted."""
+        if self._draining:
+            job.abort_cause = job.abort_cause or "shutdown"
+            raise asyncio.CancelledError  # no window ends while the worker stops: the next owner takes it over
+        job.attended, job.parked = asyncio.Event(), True
+        if job.listeners.live:  # back already (an ATTACH while the engine aborted the generation)
+            job.attended.set()
         self.room_freed.set()  # its room in the engine's batch is free while it waits
+        self._room_for_parked.set()
         WORKER_SUSPENDED.inc()
+        started = time.perf_counter()
         log.info("no client attached: generation suspended", extra={"tokens": job.tokens})
         try:
             await job.attended.wait()
+            # NOTE: the check and the unparking are one step (no await between): the consumer loop sees the room taken
+            while self._in_batch() >= self._max:
+                self._room_for_parked.clear()
+                await self._room_for_parked.wait()
+            job.parked = False
         finally:
-            job.attended = None
+            job.attended, job.parked = None, False
+            job.suspended_s += time.perf_counter() - started
             WORKER_SUSPENDED.dec()
         job.prefix = EmittedPrefix(list(job.emitted_ids), "".join(job.emitted_text), job.attempt)
         log.info("a client is attached again: generation goes on", extra={"tokens": job.tokens})
+
+    def _in_batch(self) -> int:
+        """Jobs in (or about to enter) the engine's batch."""
+        return sum(1 for job in self.jobs.values() if not job.suspended)
 
     async def _relay_deltas(self, job: Job, deltas: AsyncGenerator[EngineDelta, None], replay: ReplayFilter | None
                             ) -> Outcome | None:
@@ -610,6 +650,8 @@ class Intake:
         async for delta in deltas:
             cached = delta.cached_tokens
             ids, text = replay.feed(delta.token_ids, delta.text) if replay else (delta.token_ids, delta.text)
+            if replay is not None and len(ids) < len(delta.token_ids):
+                WORKER_REPLAYED_TOKENS.inc(len(delta.token_ids) - len(ids))
             if not job.listeners.live and not request.background:
                 # Nobody to receive it: not emitted (its generation goes on from the log's end when a client is back)
                 WORKER_UNATTENDED_TOKENS.inc(len(ids))
@@ -619,7 +661,7 @@ class Intake:
             if not ids and not text:
                 continue
             if job.seq == 0 and job.tokens == job.prefix.tokens:  # this attempt's first emission, once
-                WORKER_TTFT.observe(time.perf_counter() - job.admitted_at)
+                WORKER_TTFT.observe(time.perf_counter() - job.admitted_at - job.suspended_s)
             out = self._delta(job, ids, text)  # raises here, in this request's own task, on what is not a delta
             ids, text = out.token_ids, out.text
             delivery = await self._sink.emit(out, request.reply.partition, job.traceparent)
@@ -678,7 +720,8 @@ class Intake:
             await asyncio.wait(set(job.in_flight))
         # A stopped generation is billed by the rule of ``listeners.py`` (decided when it was stopped); a finished one
         # whole.
-        received = job.received_cap if outcome.finish_reason == "cancelled" else None
+        received = (job.listeners.received_cap(job.tokens)
+                    if outcome.finish_reason == "cancelled" and job.billed_by_connections else None)
         if job.undelivered_from is not None and received is None:
             # The client cannot have more than what reached its gateway: bill that, end the stream in error.
             outcome = Outcome("error", [], "", "a token delta could not be delivered to the client's gateway",

@@ -127,6 +127,10 @@ WORKER_UNATTENDED_TOKENS = Counter(
     "kns_worker_unattended_tokens_total",
     "Completion tokens generated after every client connection of the stream had gone and dropped unsent (the "
     "generation is suspended then): the work done for nobody")
+WORKER_REPLAYED_TOKENS = Counter(
+    "kns_worker_replayed_tokens_total", "Completion tokens generated again and dropped to continue a stream exactly "
+    "(a takeover, or a resume after a suspension, of a seeded, penalized or stop-string request: its sampler cannot "
+    "continue from the emitted tokens); not billed")
 WORKER_SUSPENDED = Gauge(
     "kns_worker_suspended_streams", "Generations suspended because no client connection is attached (waiting for "
     "one to come back within the resume window)")
