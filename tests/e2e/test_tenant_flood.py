@@ -31,4 +31,4 @@ async def test_a_flooding_tenant_is_refused_while_the_other_tenants_streams_all_
     attacker = result["pooled"]["plus 200/s"]["attacker"]
     assert attacker["reads"].get("429", 0) > 0 and attacker["writes"].get("429", 0) > 0
     assert all(sum(attacker["by_kind"][kind]["statuses"].values()) > 0 for kind in KINDS)
-    assert set(result["bound"]["by_flood"]["plus 200/s"]) >= {"alone_p99_s", "flood_p99_s", "moved_s", "holds"}
+    assert set(result["bound"]["by_flood"]["plus 200/s"]) >= {"moved_s", "allowed_s", "holds"}

@@ -11,16 +11,24 @@ BASE = "http://127.0.0.1:9/v1"
 
 
 def test_the_bound_allows_the_larger_of_a_share_and_a_floor() -> None:
-    alone = [0.1] * 100
-    assert bound(alone, [0.14] * 100, share=0.25, floor_s=0.05)["holds"]  # +40 ms: under the 50 ms floor
-    assert not bound(alone, [0.16] * 100, share=0.25, floor_s=0.05)["holds"]
-    slow = [1.0] * 100
-    assert bound(slow, [1.2] * 100, share=0.25, floor_s=0.05)["holds"]  # +200 ms: under 25 % of 1 s
-    assert not bound(slow, [1.3] * 100, share=0.25, floor_s=0.05)["holds"]
+    alone = [[0.1] * 100]
+    assert bound(alone, [[0.14] * 100], share=0.25, floor_s=0.05)["holds"]  # +40 ms: under the 50 ms floor
+    assert not bound(alone, [[0.16] * 100], share=0.25, floor_s=0.05)["holds"]
+    slow = [[1.0] * 100]
+    assert bound(slow, [[1.2] * 100], share=0.25, floor_s=0.05)["holds"]  # +200 ms: under 25 % of 1 s
+    assert not bound(slow, [[1.3] * 100], share=0.25, floor_s=0.05)["holds"]
+
+
+def test_the_bound_takes_the_median_move_of_the_rounds() -> None:
+    alone = [[0.1] * 100, [0.1] * 100, [0.1] * 100]
+    disturbed = [[0.12] * 100, [0.9] * 100, [0.13] * 100]  # one round slowed by other work on the machine
+    check = bound(alone, disturbed, share=0.25, floor_s=0.05)
+    assert check["holds"] and check["moved_s"] == 0.03 and check["moved_by_round_s"] == [0.02, 0.8, 0.03]
+    assert not bound(alone, [[0.2] * 100, [0.9] * 100, [0.13] * 100], share=0.25, floor_s=0.05)["holds"]
 
 
 def test_the_bound_does_not_hold_without_figures() -> None:
-    assert not bound([], [0.1])["holds"] and not bound([0.1], [])["holds"]
+    assert not bound([], [])["holds"] and not bound([[0.1]], [[]])["holds"]
 
 
 def test_each_kind_is_one_well_formed_request_of_the_attackers_key() -> None:
