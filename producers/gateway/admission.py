@@ -133,7 +133,7 @@ class Admission:
                 self._on_refused(key)
             if decision.limit == "budget":
                 raise over_budget(decision, key, budget)
-            raise rate_limited(decision, tokens, key)
+            raise rate_limited(decision, tokens, key, local=local)
         LIMITER_DECISIONS.labels(outcome="admitted", limiter=kind).inc()
         return Ticket(request_id, key.key_id, key.org_id, tokens, limiter, decision.window, local)
 
@@ -223,14 +223,15 @@ def read_limited(refused: ReadDecision, key: ApiKey) -> ApiError:
 
 
 class LimitRefusal(ApiError):
-    """A 429 of the limiter's, saying which limit of whose refused (``early.py`` remembers some)."""
+    """A 429 of the limiter's, saying which limit of whose refused, and whether this process's own limiter did
+    (``local``, Redis down): ``early.py`` remembers some of the shared limiter's."""
 
-    def __init__(self, refused: Refused, status: int, message: str, **fields: Any) -> None:
+    def __init__(self, refused: Refused, status: int, message: str, *, local: bool = False, **fields: Any) -> None:
         super().__init__(status, message, **fields)
-        self.limit, self.scope = refused.limit, refused.scope
+        self.limit, self.scope, self.local = refused.limit, refused.scope, local
 
 
-def rate_limited(refused: Refused, tokens: int, key: ApiKey) -> ApiError:
+def rate_limited(refused: Refused, tokens: int, key: ApiKey, *, local: bool = False) -> ApiError:
     what = _WHAT[refused.limit]
     where = f"organization {key.org_id}" if refused.scope == "org" else f"API key {key.key_id}"
     headers = refused.headers()
@@ -243,4 +244,4 @@ def rate_limited(refused: Refused, tokens: int, key: ApiKey) -> ApiError:
         message = (f"Rate limit reached for {where} on {what}: Limit {refused.value}. "
                    f"Please try again in {wait_s:.3g}s.")
     kind = "tokens" if refused.limit == "tokens" else "requests"
-    return LimitRefusal(refused, 429, message, type=kind, code="rate_limit_exceeded", headers=headers)
+    return LimitRefusal(refused, 429, message, local=local, type=kind, code="rate_limit_exceeded", headers=headers)

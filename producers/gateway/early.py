@@ -7,9 +7,11 @@ throttled or over-budget key must not buy that work with each refused request, s
 * **A refusal remembered.** A key (or org) refused for its requests per minute cannot be admitted before its bucket
   holds a request again, whatever another gateway does meanwhile (others only take from it): until then its
   requests are refused at once, with the same 429 and what is left of its wait, no Redis round trip. A budget
-  refusal stands until the org's record changes (a raised budget applies at once) or a second passes. A refusal
-  for tokens depends on the request's size, and one for requests in flight ends whenever a stream does: neither is
-  remembered.
+  refusal stands for a second. Either stands only while the key's org record is the one it was judged against: a
+  raised budget or limit applies at once (the shared bucket refills at the new rate). A refusal for tokens depends
+  on the request's size, one for requests in flight ends whenever a stream does, and one of this process's own
+  limiter (Redis down) holds a bucket the fleet's limiter never saw, which may admit the key as soon as Redis is back:
+  none is remembered.
 * **A bound on the work in hand.** A key may have at most as many requests being prepared at once on this process
   as it may have in flight (``max_concurrent``): a flood of turns waiting for their previous turn, or of prompts
   being tokenized, is refused past it (429, ``requests``) instead of queueing work nobody can be admitted for.
@@ -40,8 +42,10 @@ CAPACITY = 100_000
 class _Remembered:
     until: float
     error: ApiError
-    #: a budget refusal: void once the org's record is another (its budget changed)
-    org: OrgRecord | None = None
+    #: the org record (limits, budget) it was judged against: void once the key's org is another record
+    org: OrgRecord
+    #: a requests-per-minute refusal: its wait counts down (a budget refusal has none)
+    waits: bool
 
 
 class EarlyRefusals:
@@ -61,7 +65,7 @@ class EarlyRefusals:
             remembered = self._refused.get(who)
             if remembered is None:
                 continue
-            if remembered.until <= now or (remembered.org is not None and remembered.org is not key.org):
+            if remembered.until <= now or remembered.org is not key.org:
                 del self._refused[who]
                 continue
             GATEWAY_EARLY_REFUSALS.labels(reason="remembered").inc()
@@ -69,7 +73,10 @@ class EarlyRefusals:
             raise _again(remembered, now)
 
     def remember(self, key: ApiKey, error: ApiError) -> None:
-        """A refusal of ``key``'s admission: remembered when its wait is known (requests per minute, budget)."""
+        """A refusal of ``key``'s admission: remembered when its wait is known (requests per minute, budget) and the
+        shared limiter made it."""
+        if getattr(error, "local", False):
+            return
         limit, scope = getattr(error, "limit", None), getattr(error, "scope", None)
         who = f"org:{key.org_id}" if scope == "org" else f"key:{key.key_id}"
         now = self._clock()
@@ -77,9 +84,9 @@ class EarlyRefusals:
             retry_ms = int((error.headers or {}).get("retry-after-ms", "-1"))
             if retry_ms <= 0:
                 return
-            self._refused[who] = _Remembered(now + retry_ms / 1000, error)
+            self._refused[who] = _Remembered(now + retry_ms / 1000, error, key.org, waits=True)
         elif limit == "budget":
-            self._refused[f"org:{key.org_id}"] = _Remembered(now + BUDGET_MEMORY_S, error, key.org)
+            self._refused[f"org:{key.org_id}"] = _Remembered(now + BUDGET_MEMORY_S, error, key.org, waits=False)
         else:
             return
         while len(self._refused) > CAPACITY:
@@ -115,7 +122,7 @@ def _again(remembered: _Remembered, now: float) -> ApiError:
     """The remembered refusal, its wait counted from now."""
     error = remembered.error
     headers = dict(error.headers or {})
-    if remembered.org is None:
+    if remembered.waits:
         left_ms = max(1, math.ceil((remembered.until - now) * 1000))
         headers |= {"retry-after": str(max(1, math.ceil(left_ms / 1000))), "retry-after-ms": str(left_ms)}
     return ApiError(error.status, error.message, type=error.type, param=error.param, code=error.code,

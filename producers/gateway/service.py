@@ -85,6 +85,8 @@ log = logging.getLogger(__name__)
 
 #: why a connection detached when its client's network dropped it (not the gateway's hand-over)
 DROPPED = "client connection dropped"
+#: why a connection detached when its client came back on another connection of this gateway
+SUPERSEDED = "the client reconnected on another connection"
 #: finish reasons a client may see; anything else from the engine is reported as "stop"
 CLIENT_FINISH_REASONS = {"stop", "length", "content_filter"}
 #: Redis failures while recording or looking up a stream
@@ -308,7 +310,7 @@ class ChatService:
         record = StreamRecord(request.request_id, request.org_id, self._reply.partition, collector.from_offset,
                               request.model, created, include_usage, self._reply.gateway_id, request.user or "",
                               request.deadline_at.timestamp() if request.deadline_at else 0.0, extra,
-                              store=request.store, conversation_id=request.conversation_id or "")
+                              store=_stores_row(request), conversation_id=request.conversation_id or "")
         try:
             await self._streams.record(record)
         except STREAM_STORE_ERRORS as exc:
@@ -333,10 +335,35 @@ class ChatService:
         if record is None or not key.may_see(record.org_id, record.model) or bool(record.extra) != responses:
             GATEWAY_RESUMES.labels(outcome="not_found").inc()
             raise stream_not_found(request_id)
-        if request_id in self._open:
-            # Its client is back on this gateway before the old connection was found dead (a network that changed
-            # address drops no FIN: TCP notices minutes later): the new connection takes the stream over.
-            await self._supersede(request_id)
+        # Its client may be back on this gateway before the old connection was found dead (a network that changed
+        # address drops no FIN: TCP notices minutes later): the new connection takes the stream over.
+        previous = self._supersede(request_id)
+        try:
+            collector, attachment = await self._attach(request_id, client_has, key, record, traceparent)
+        finally:
+            if previous is not None:
+                # Now, not when the old task next runs (blocked writing to a dead socket, it may not for minutes,
+                # while the worker counts it attached); after the new ATTACH, so that the worker never finds the
+                # stream unattended in between (it would suspend the generation).
+                self._spawn(self._detach(previous, SUPERSEDED))
+        ticket = None
+        if previous is not None:
+            # Its generation goes on for this connection: so does its in-flight slot, freed when this one ends
+            ticket, previous.ticket = previous.ticket, None
+        GATEWAY_RESUMES.labels(outcome="resumed").inc()
+        GATEWAY_IN_FLIGHT.inc()
+        log.info("stream resumed", extra={"request_id": request_id, "client_has": client_has,
+                                          "partition": record.partition, "accepted_by": record.gateway_id})
+        accepted = Accepted(None, collector, traceparent, record.include_usage, received_at, created=record.created,
+                            ticket=ticket, model=record.model, client_has=client_has, deadline_at=record.deadline_at,
+                            record=record, attachment=attachment, resume_window_s=self.resume_window_s(key.tier))
+        self._track(accepted)
+        return accepted
+
+    async def _attach(self, request_id: str, client_has: int, key: ApiKey, record: StreamRecord, traceparent: str
+                      ) -> tuple[StreamCollector, str]:
+        """Register a resumed stream with the relay and attach its new connection (the worker generates for it):
+        the stream's collector and the connection's attachment id."""
         try:
             collector = await self._relay.resume(request_id, record.partition, record.from_offset,
                                                  skip_through=max(client_has, 0))
@@ -360,25 +387,19 @@ class ChatService:
             if isinstance(exc, KafkaError):
                 raise unavailable("The control topic is unavailable; retry the resume.") from exc
             raise
-        GATEWAY_RESUMES.labels(outcome="resumed").inc()
-        GATEWAY_IN_FLIGHT.inc()
-        log.info("stream resumed", extra={"request_id": request_id, "client_has": client_has,
-                                          "partition": record.partition, "accepted_by": record.gateway_id})
-        accepted = Accepted(None, collector, traceparent, record.include_usage, received_at, created=record.created,
-                            model=record.model, client_has=client_has, deadline_at=record.deadline_at,
-                            record=record, attachment=attachment, resume_window_s=self.resume_window_s(key.tier))
-        self._track(accepted)
-        return accepted
+        return collector, attachment
 
-    async def _supersede(self, request_id: str) -> None:
-        """End the stream's old connection on this gateway as a hand-over (no ``[DONE]``, no cancel: detached with
-        what it sent); the stream is the new connection's from now on, whenever the old one's task gets to close."""
+    def _supersede(self, request_id: str) -> Accepted | None:
+        """End the stream's old connection on this gateway, if it has one, as a hand-over (no ``[DONE]``, no cancel):
+        the stream is the new connection's from now on, whenever the old one's task gets to close. The caller detaches
+        the old connection and takes its admission over."""
         previous = self._open.pop(request_id, None)
         if previous is None:
-            return
+            return None
         previous.superseded = True
         self._relay.unregister(request_id)
-        previous.collector.fail("the client reconnected on another connection", ErrorCode.GATEWAY_STOPPING)
+        previous.collector.fail(SUPERSEDED, ErrorCode.GATEWAY_STOPPING)
+        return previous
 
     async def cancel_stream(self, request_id: str, key: ApiKey, *, traceparent: str, responses: bool = False) -> None:
         """Stop a generation on the client's word, from any gateway: honoured by its worker within one engine step,
@@ -474,7 +495,8 @@ class ChatService:
         if self._pending is None:
             return
         request, record = accepted.request, accepted.record
-        store = request.store if request is not None else record is not None and record.store
+        store = _stores_row(request) if request is not None else record is not None and record.store
+        store = store and not _refused_unwritten(accepted, delta)
         conversation = (request.conversation_id if request is not None and request.turn is not None
                         else record.conversation_id if record is not None else None)
         if conversation and not _appended(delta.finish_reason or "", accepted.collector.delivered):
@@ -570,7 +592,9 @@ class ChatService:
             self._relay.unregister(accepted.request_id)
             self._open.pop(accepted.request_id, None)
         if accepted.ticket is not None:
-            self._end_ticket(accepted, outcome)
+            # Superseded and still holding its ticket: the resume that took it over failed, and the generation goes on
+            # for the window all the same
+            self._end_ticket(accepted, "dropped" if accepted.superseded else outcome)
         GATEWAY_IN_FLIGHT.dec()
         elapsed = time.perf_counter() - accepted.received_at
         GATEWAY_E2E.observe(elapsed)
@@ -579,6 +603,8 @@ class ChatService:
         log.info("request answered", extra={"request_id": accepted.request_id, "outcome": outcome,
                                             "ttft_ms": round(ttft * 1000, 1) if ttft else None,
                                             "e2e_ms": round(elapsed * 1000, 1)})
+        if accepted.superseded:
+            return  # detached when its client came back (``resume``); the stream and its end are the new connection's
         request = accepted.request
         dropped = outcome == "dropped"
         if (request is not None and request.conversation_id is not None and self._turns is not None
@@ -663,6 +689,25 @@ def _appended(outcome: str, delivered_tokens: int) -> bool:
     may still be (its generation goes on)."""
     return (outcome in ("stop", "length", "handed_over", "detached")
             or (outcome == "content_filter" and delivered_tokens > 0))
+
+
+def _stores_row(request: ChatRequest) -> bool:
+    """Whether the writer keeps a row of the request's outcome: a stored completion (chat completions' ``store``) or
+    a stored response (a Responses API request carries its ``store`` in its turn, not in the request's)."""
+    turn = request.turn
+    if turn is not None and turn.api == "responses":
+        return turn.store
+    return request.store
+
+
+def _refused_unwritten(accepted: Accepted, delta: Delta) -> bool:
+    """A completion the safety pre-filter refused: no worker generated it (no prompt token billed, nothing
+    delivered), and the pre-filter stores no completion for a refused prompt (``end_here(..., stored=False)``). A
+    stored response's row is written however it ended (it says it was filtered), so its reads still wait for it."""
+    responses = (accepted.request.turn is not None and accepted.request.turn.api == "responses"
+                 if accepted.request is not None else accepted.record is not None and bool(accepted.record.extra))
+    return (not responses and delta.finish_reason == "content_filter" and accepted.collector.delivered == 0
+            and delta.usage is not None and delta.usage.prompt_tokens == 0)
 
 
 def _usage(accepted: Accepted, usage: TokenUsage | None) -> dict[str, object]:

@@ -1,8 +1,7 @@
 """Second adversarial review of the resume window and of what came with it, the gateway's side: read-your-writes
 (3843225), a client back on the same gateway taking its stream over (3da0641) and refusals remembered before the
 expensive work (bc4b255, dccd9f7). Each test states a defect the review found, its consequence for a user or a bill,
-and the code line (as of 45363b0). They are strict xfails: each fails today for the reason it names, and turns the
-suite red (XPASS) once the defect is fixed, when its marker is to be removed."""
+and the code line (as of 45363b0); each failed on 45363b0 for the reason it names and passes since its fix."""
 
 from __future__ import annotations
 
@@ -101,8 +100,6 @@ def delta(request_id: str, seq: int) -> TokenEvent:
 # --- read-your-writes ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="review2: a stored response (Responses API, store: true) gets no "
-                                       "read-your-writes note")
 async def test_a_stored_response_that_ended_is_noted_for_its_reads_to_wait_for_its_row() -> None:
     """Defect: ``_note_pending_write`` (service.py:477) decides "the writer stores a row" from ``request.store``, the
     chat completions' ``store``; a Responses API request carries its ``store`` in ``request.turn.store``
@@ -128,8 +125,6 @@ async def test_a_stored_response_that_ended_is_noted_for_its_reads_to_wait_for_i
     assert pending.notes == [(request.request_id, True, None)]
 
 
-@pytest.mark.xfail(strict=True, reason="review2: a store:true completion refused by the pre-filter is noted; "
-                                       "every read of it waits 5 s for a row never written")
 async def test_a_stored_completion_refused_by_the_pre_filter_leaves_no_note_its_reads_would_wait_for() -> None:
     """Defect: ``_note_pending_write`` (service.py:482-484) notes ``pending:<id>`` for every final of a ``store: true``
     completion; the safety pre-filter's refusal is such a final (``policy.refusal``: content_filter, no usage, by
@@ -155,8 +150,6 @@ async def test_a_stored_completion_refused_by_the_pre_filter_leaves_no_note_its_
 # --- a client back on the same gateway ------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="review2: a superseded connection is detached only when its own task "
-                                       "runs again")
 async def test_a_connection_taken_over_on_the_same_gateway_is_detached_at_once_whatever_its_task_does() -> None:
     """Defect: ``_supersede`` (service.py:373) only fails the old connection's collector; its DETACH is produced by
     the old task's ``close`` (service.py:595), when that task next runs. The case supersede exists for, a client
@@ -200,7 +193,6 @@ def rpm_refusal(limit: int) -> LimitRefusal:
                                                              "retry-after-ms": str(wait_ms)})
 
 
-@pytest.mark.xfail(strict=True, reason="review2: a remembered RPM refusal outlives a raise of the org's limits")
 def test_a_key_whose_limits_an_admin_raised_is_not_refused_by_a_refusal_remembered_under_the_old_ones() -> None:
     """Defect: ``EarlyRefusals.check`` (early.py:64) voids a remembered refusal when the org's record changed only
     for budget refusals; an RPM refusal stands for the wait the old limit gave (early.py:80: up to 60 s at 1 RPM).
@@ -229,8 +221,6 @@ class FlakyShared(LocalLimiter):
         return await super().admit(*args, **kwargs)
 
 
-@pytest.mark.xfail(strict=True, reason="review2: a refusal of the local limiter (Redis down) is remembered past "
-                                       "Redis's return")
 async def test_a_refusal_the_fallback_limiter_made_while_redis_was_down_does_not_outlive_the_outage() -> None:
     """Defect: ``ChatService._admit`` (service.py:273) remembers every requests-per-minute refusal, whichever limiter
     made it; with Redis down a ``local`` tier is admitted by this process's own limiter, whose buckets hold
@@ -257,8 +247,6 @@ async def test_a_refusal_the_fallback_limiter_made_while_redis_was_down_does_not
     await chat.drain()
 
 
-@pytest.mark.xfail(strict=True, reason="review2: a stream taken over on the same gateway frees its local "
-                                       "limiter slot at once while its generation goes on")
 async def test_a_stream_taken_over_on_the_same_gateway_keeps_its_local_in_flight_slot() -> None:
     """Defect: the connection a resume supersedes closes as "handed_over" (service.py:500), and ``_end_ticket``
     (service.py:617-620) ends a local limiter's ticket at once for that outcome, which is right for a gateway that stops
