@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import re
+import uuid
 from collections.abc import Iterator
 
 import httpx
@@ -42,6 +43,18 @@ def three_gateways(gateway: ServiceProcess, service_env: dict[str, str]) -> Iter
     finally:
         for proc in procs:
             proc.stop()
+
+
+@pytest.fixture()
+def offender(base_url: str, make_caller):  # type: ignore[no-untyped-def]
+    """An openai client on a key of its own org, for a test that sends what the safety filters refuse: every
+    refusal counts towards the abuse detector's suspension of the key that sent it (6 in 10 minutes), and the
+    session's key serves every other test."""
+    import openai
+
+    caller = make_caller(org=f"org-offender-{uuid.uuid4().hex[:8]}")
+    with openai.OpenAI(base_url=base_url, api_key=caller.secret, max_retries=0, timeout=120) as client:
+        yield client
 
 
 async def token_records(settings: Settings, request_id: str) -> list[tuple[int, TokenEvent]]:

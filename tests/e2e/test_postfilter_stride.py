@@ -30,9 +30,9 @@ def checkpoints(events: list[TokenEvent], window_chars: int) -> list[tuple[int, 
     return points
 
 
-async def test_a_stream_that_turns_harmful_is_decided_at_the_first_harmful_stride_mark(client: openai.OpenAI,
+async def test_a_stream_that_turns_harmful_is_decided_at_the_first_harmful_stride_mark(offender: openai.OpenAI,
                                                                                       stack: Settings) -> None:
-    chunks = list(client.chat.completions.create(
+    chunks = list(offender.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": TURNS_HARMFUL}], temperature=0, max_tokens=200,
         stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
     request_id, usage = chunks[0].id, chunks[-1].usage

@@ -24,18 +24,18 @@ def consumed() -> float:
     return metric(scrape(f"http://127.0.0.1:{WORKER_ADMIN_PORT}/metrics"), "kns_worker_requests_consumed_total")
 
 
-async def test_a_harmful_prompt_is_refused_before_the_gpu(client: openai.OpenAI, stack: Settings) -> None:
+async def test_a_harmful_prompt_is_refused_before_the_gpu(offender: openai.OpenAI, stack: Settings) -> None:
     before = consumed()
-    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": HARMFUL}],
+    chunks = list(offender.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": HARMFUL}],
                                                  stream=True, max_tokens=32))
     assert chunks[-1].choices[0].finish_reason == "content_filter"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
     with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": HARMFUL}], max_tokens=32)
+        offender.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": HARMFUL}], max_tokens=32)
     assert refused.value.body["code"] == "content_filter"
     assert consumed() == before, "a refused prompt reached a worker"
 
-    benign = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=16)
+    benign = offender.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=16)
     assert "Paris" in benign.choices[0].message.content
     assert consumed() == before + 1
 
@@ -46,8 +46,8 @@ async def test_a_harmful_prompt_is_refused_before_the_gpu(client: openai.OpenAI,
     assert decided[benign.id].stage is SafetyStage.PRE and not decided[benign.id].blocked
 
 
-async def test_a_stream_that_turns_harmful_is_halted_mid_way(client: openai.OpenAI, stack: Settings) -> None:
-    stream = client.chat.completions.create(
+async def test_a_stream_that_turns_harmful_is_halted_mid_way(offender: openai.OpenAI, stack: Settings) -> None:
+    stream = offender.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": TURNS_HARMFUL}], temperature=0, max_tokens=200,
         stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
     chunks = list(stream)

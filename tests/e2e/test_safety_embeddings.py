@@ -29,17 +29,17 @@ async def pre_verdict(stack: Settings, request_id: str) -> SafetyVerdict:
     return verdicts[0]  # type: ignore[no-any-return]
 
 
-async def test_a_harmful_prompt_no_rule_matches_is_refused_before_the_gpu(client: openai.OpenAI,
+async def test_a_harmful_prompt_no_rule_matches_is_refused_before_the_gpu(offender: openai.OpenAI,
                                                                           stack: Settings) -> None:
     assert not RuleClassifier().one(HARMFUL).blocked
     assert HARMFUL not in {row["text"] for row in load_labelled(EXEMPLARS)}
     before = consumed()
-    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": HARMFUL}],
+    chunks = list(offender.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": HARMFUL}],
                                                  stream=True, max_tokens=16))
     assert chunks[-1].choices[0].finish_reason == "content_filter"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
     with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": HARMFUL}], max_tokens=16)
+        offender.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": HARMFUL}], max_tokens=16)
     assert refused.value.body["code"] == "content_filter"
     assert consumed() == before, "a refused prompt reached a worker"
     verdict = await pre_verdict(stack, chunks[0].id)

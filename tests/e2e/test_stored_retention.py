@@ -52,9 +52,10 @@ async def test_a_stored_completion_is_kept_thirty_days(base_url: str, caller: Ca
         assert ttl is not None and THIRTY_DAYS_S - 600 < ttl <= THIRTY_DAYS_S, (kept_s, listed_s)
 
 
-async def test_a_request_refused_by_the_pre_filter_is_not_stored(base_url: str, caller: Caller,
+async def test_a_request_refused_by_the_pre_filter_is_not_stored(base_url: str, make_caller,  # type: ignore[no-untyped-def]
                                                                  stack: Settings) -> None:
     tag = uuid.uuid4().hex[:8]
+    caller = make_caller(org=f"org-refused-store-{tag}")  # a key of its own: refusals count towards suspension
     async with openai.AsyncOpenAI(base_url=base_url, api_key=caller.secret, max_retries=0) as client:
         chunks = [c async for c in await client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": HARMFUL}], max_tokens=4, stream=True, store=True,

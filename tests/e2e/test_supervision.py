@@ -134,12 +134,13 @@ def test_a_killed_gateway_is_started_again_on_its_port(own_env: dict[str, str], 
     env = {**own_env, "KNS_GATEWAY__PORT": str(OWN_GATEWAY_PORT),
            "KNS_GATEWAY__INSTANCE_ID": f"test-gateway-sup-{SESSION}"}
     health = f"http://127.0.0.1:{OWN_GATEWAY_PORT}/health"
+    details = f"http://127.0.0.1:{OWN_GATEWAY_PORT + 50}/health"  # the partition is on the internal port only
     service = ServiceProcess("gateway-supervised", "gateway", env, health)
     service.start()
     assert service.proc is not None
     try:
         service.wait_healthy(120)
-        partition = httpx.get(health).json()["reply_partition"]
+        partition = httpx.get(details).json()["reply_partition"]
         # The process that serves: the supervisor's child (before supervision, the command itself).
         gateway = (service.children() or [service.proc.pid])[0]
         killed = read_proc(gateway)
@@ -150,7 +151,7 @@ def test_a_killed_gateway_is_started_again_on_its_port(own_env: dict[str, str], 
         service.wait_healthy(120)
         new_gateway = serving_child(service, "producers.gateway.main")
         assert new_gateway != gateway
-        assert httpx.get(health).json()["reply_partition"] == partition  # its own partition back
+        assert httpx.get(details).json()["reply_partition"] == partition  # its own partition back
 
         tree = kill_supervisor(service)
         leftovers += tree

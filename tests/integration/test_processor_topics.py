@@ -64,7 +64,7 @@ def test_the_abuse_processor_created_its_internal_topics_before_its_faust_worker
     worker_start = next(i for i, r in enumerate(records) if r.get("msg", "").startswith("[^Worker]: Starting"))
     assert created < worker_start
     expected = {t.name for t in abuse_app.internal_topics()}
-    assert len(expected) == 4 + 3 + 1  # four windowed tables, three streams re-keyed by API key, the leader topic
+    assert len(expected) == 4 + 4 + 1  # four windowed tables, four streams re-keyed by API key, the leader topic
     assert set(records[created]["topics"]) == expected
 
 
