@@ -267,7 +267,7 @@ class Intake:
         inherited = self._offsets.inherited(tp, record.offset)
         cancelled = self._controls.stop(request.request_id) is not None
         # Nobody attached (its client dropped while it waited): no head start, it is suspended before any prefill
-        attended = request.background or self._listeners_of(request).live
+        attended = request.runs_unattended or self._listeners_of(request).live
         head = self._head_start(request, tp, attempt) if not inherited and not cancelled and attended else None
         started = time.perf_counter()
         try:
@@ -587,7 +587,7 @@ class Intake:
 
     async def _stream(self, job: Job) -> Outcome:
         while True:
-            if not job.listeners.live and not job.request.background:
+            if not job.listeners.live and not job.request.runs_unattended:
                 # Nobody to receive it, before any prefill (a head start, a takeover of a suspended stream)
                 await _dropped(job.head)
                 job.head = None
@@ -652,7 +652,7 @@ class Intake:
             ids, text = replay.feed(delta.token_ids, delta.text) if replay else (delta.token_ids, delta.text)
             if replay is not None and len(ids) < len(delta.token_ids):
                 WORKER_REPLAYED_TOKENS.inc(len(delta.token_ids) - len(ids))
-            if not job.listeners.live and not request.background:
+            if not job.listeners.live and not request.runs_unattended:
                 # Nobody to receive it: not emitted (its generation goes on from the log's end when a client is back)
                 WORKER_UNATTENDED_TOKENS.inc(len(ids))
                 return None

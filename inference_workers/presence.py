@@ -9,7 +9,8 @@ counts as detached, having received what was emitted when its gateway was last s
 attached for its window (the detaching client's tier's resume window, or ``grace_s`` when its gateway died) is
 cancelled and billed by the rule in ``listeners.py``. When Redis cannot be asked, no gateway is taken for dead on a
 guess, but a stream every connection of which detached still has its window end.
-A background response is never cancelled so: it is generated to its end.
+A request that runs unattended (``ChatRequest.runs_unattended``: a background response, a non-streamed stored
+answer) is never cancelled so: it is generated to its end.
 
 Only gateway ids of the form ``instance/incarnation`` announce themselves (older gateways did not): others are
 never taken for gone.
@@ -51,8 +52,9 @@ class GatewayPresence:
             await self.check()
 
     async def check(self) -> None:
-        # A background response is generated to its end whoever listens: its client polls or resumes later.
-        jobs = [j for j in self._intake.jobs.values() if not j.request.background]
+        # Generated to its end whoever listens (a background response, a non-streamed stored answer): its client
+        # polls or reads the record later.
+        jobs = [j for j in self._intake.jobs.values() if not j.request.runs_unattended]
         gateways = {g for j in jobs for g in j.listeners.attached_gateways() if announces_liveness(g)}
         try:
             alive: dict[str, bool] | None = await self._alive(gateways) if gateways else {}

@@ -99,6 +99,14 @@ class ChatRequest(Event):
         """A background response: generated to its end whether or not anyone listens."""
         return self.turn is not None and self.turn.background
 
+    @property
+    def runs_unattended(self) -> bool:
+        """Generated to its end whether or not any client connection is attached: a background response, or a
+        non-streamed request the worker records (a stored completion, a turn), whose client cannot resume it and
+        reads the record instead. Its client hanging up still cancels it (its gateway says so); its gateway dying
+        does not."""
+        return self.background or (self.keeps_record and not self.stream)
+
     def turn_input(self) -> list[ChatMessage]:
         """The messages a record keeps: a turn's new input only (its history is recorded already), else all."""
         if self.turn is None:

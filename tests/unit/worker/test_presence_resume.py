@@ -117,6 +117,36 @@ async def test_a_stream_with_no_client_waits_out_its_window_on_the_clock_then_is
     assert (usage.finish_reason, usage.completion_tokens) == ("cancelled", 3)
 
 
+async def test_a_non_streamed_stored_completion_is_generated_to_its_end_and_billed_whole_when_its_gateway_dies(
+        ) -> None:
+    """Its client cannot resume it (nothing was streamed, it has no id): it reads the stored row, which must be whole.
+    A streamed one is suspended when its gateway dies, for its client to resume within the window."""
+    group, clock = FakeGroup(), Clock()
+    worker = FakeWorker("w1", group, FakeEngine(auto=False))
+    worker.intake.clock = clock
+    await worker.assign(0)
+    stored = request(max_tokens=8, gateway="gw/a").model_copy(update={"stream": False, "store": True})
+    streamed = request(max_tokens=8, gateway="gw/a")
+    for offset, req in enumerate((stored, streamed)):
+        await worker.handle(req, 0, offset)
+    redis = Redis("gw/a")
+    presence = GatewayPresence(redis, RedisSettings(), worker.intake, check_every_s=1,  # type: ignore[arg-type]
+                               grace_s=30, clock=clock)
+    for req in (stored, streamed):
+        worker.engine.step(req.request_id, 3)
+    await emitted(group, stored, 3)
+    await presence.check()
+    redis.alive = set()  # the gateway dies before it could answer
+    await presence.check()
+    clock.now += 60
+    await presence.check()  # past the window
+    worker.engine.step(stored.request_id, 5)
+    await worker.settle()
+    usage = {u.request_id: u for u in group.usage}
+    assert (usage[stored.request_id].finish_reason, usage[stored.request_id].completion_tokens) == ("length", 8)
+    assert (usage[streamed.request_id].finish_reason, usage[streamed.request_id].completion_tokens) == ("cancelled", 3)
+
+
 async def test_a_dropped_client_back_within_its_window_gets_every_token_once_in_order() -> None:
     group, worker, req, presence, _redis, clock = await generating(max_tokens=10)
     worker.engine.step(req.request_id, 4)
