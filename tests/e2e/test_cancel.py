@@ -1,4 +1,5 @@
-"""A client that hangs up mid-stream stops the generation in the worker (not just on the wire)."""
+"""A client that hangs up mid-stream stops the generation in the worker (not just on the wire): a streaming client's
+generation is suspended for its resume window and aborted by its cancel; a non-streaming client's is cancelled."""
 
 from __future__ import annotations
 
@@ -24,7 +25,15 @@ def in_flight() -> list[str]:
     return [j["request_id"] for j in httpx.get(f"{WORKER}/state", timeout=5).json()["in_flight"]]
 
 
-async def test_closing_a_stream_aborts_the_generation(client: openai.OpenAI, stack: Settings) -> None:
+def job(request_id: str) -> dict[str, object] | None:
+    return next((j for j in httpx.get(f"{WORKER}/state", timeout=5).json()["in_flight"]
+                 if j["request_id"] == request_id), None)
+
+
+async def test_closing_a_stream_suspends_the_generation_and_its_cancel_aborts_it(
+        client: openai.OpenAI, stack: Settings) -> None:
+    """A closed connection is a drop, not a cancel (the resume window, docs/API.md): the worker stops generating for
+    nobody at once and keeps the generation for the client's return; the client's explicit cancel aborts it."""
     aborted_before = metric(scrape(f"{WORKER}/metrics"), "kns_worker_requests_aborted_total", cause="cancel")
     stream = client.chat.completions.create(
         model=MODEL, messages=COUNTING, temperature=0, max_tokens=1500, stream=True, extra_body={"ignore_eos": True})
@@ -37,12 +46,20 @@ async def test_closing_a_stream_aborts_the_generation(client: openai.OpenAI, sta
     finally:
         stream.close()  # also when an assertion failed: 1500 tokens would slow every later test
 
-    assert await wait_for(lambda: request_id not in in_flight(), timeout_s=30)
+    suspended = await wait_for(lambda: (j := job(request_id)) is not None and j["suspended"] and j, timeout_s=30,
+                               what="the generation suspended after its client hung up")
+    assert 0 < suspended["tokens"] < 1500
+    async with httpx.AsyncClient(timeout=10) as http:
+        cancelled = await http.post(f"{client.base_url}chat/completions/{request_id}/cancel",
+                                    headers={"Authorization": f"Bearer {client.api_key}"})
+    assert cancelled.status_code == 200, cancelled.text
+    await wait_for(lambda: request_id not in in_flight(), timeout_s=30, what="the cancelled generation gone")
     aborted = metric(scrape(f"{WORKER}/metrics"), "kns_worker_requests_aborted_total", cause="cancel")
     assert aborted == aborted_before + 1
     (usage,) = await wait_for(lambda: usage_events(stack, request_id), timeout_s=10)
     assert usage.finish_reason == "cancelled"
-    assert 0 < usage.completion_tokens < 1500  # billed for what was generated, not for max_tokens
+    # billed for what its client received before it hung up, not for max_tokens nor for time suspended
+    assert 0 < usage.completion_tokens <= suspended["tokens"]
 
 
 async def test_a_non_streaming_client_that_hangs_up_cancels_too(base_url: str, caller: Caller) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import uuid
 
 import httpx
 import openai
@@ -153,7 +154,10 @@ async def test_every_processor_exports_its_metrics(client: openai.OpenAI, stack:
             assert response.status_code == 200, name
             assert response.headers["content-type"].startswith("text/plain"), name
     before = {name: scrape(url) for name, url in urls.items()}
-    answer = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=4)
+    # A text the pre-filter has not judged before: it remembers the windows it classified (screening.py), and a
+    # remembered verdict takes no classification.
+    question = [{"role": "user", "content": f"What is the capital of France? (asked by {uuid.uuid4().hex[:8]})"}]
+    answer = client.chat.completions.create(model=MODEL, messages=question, temperature=0, max_tokens=4)
     # A normal request raises no abuse alert; a record nobody can read is something only the abuse processor
     # counts as its own (the safety pre-filter reads the same topic and counts it under its own name).
     # NOTE: the abuse processor re-keys it to UNDECODABLE before decoding, and under exactly_once Faust sends

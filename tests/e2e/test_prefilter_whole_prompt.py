@@ -50,4 +50,6 @@ async def test_a_conversations_seed_item_is_screened_when_a_turn_carries_it(
             {"type": "message", "role": "assistant", "content": "An apple."}])
         served = await client.responses.create(model=MODEL, conversation=clean.id, max_output_tokens=8,
                                                input="Go on, in more detail please.")
-        assert served.status == "completed" and served.output_text
+        # answered: completed, or cut at its 8 tokens; anything but a refusal
+        assert served.output_text and (served.status == "completed" or (
+            served.status == "incomplete" and served.incomplete_details.reason == "max_output_tokens")), served  # type: ignore[union-attr]
