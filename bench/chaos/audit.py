@@ -166,6 +166,9 @@ class Table:
     tokens_duplicated: int = 0
     tokens_lost: int = 0
     spliced_streams: int = 0
+    #: streams whose client received tokens the token log does not hold (a read of the log that found nothing
+    #: would otherwise pass every goal counted from it: hit mid-generation aside, generated twice or for nobody)
+    streams_not_in_log: int = 0
     #: streams whose generation spanned the fault's start (token log)
     hit_mid_generation: int = 0
     #: token positions some worker produced more than once (zombies, regenerations from scratch)
@@ -220,6 +223,7 @@ def judge(evidence: Evidence) -> Table:
     table.refused = sum(1 for s in streams if s.refused)
     received = {s.request_id: _received(evidence, s) for s in streams if s.request_id}
     _audit_streams(table, evidence)
+    table.streams_not_in_log = sum(1 for r, got in received.items() if got > 0 and not evidence.tokens.get(r))
     in_log = _audit_log(table, evidence, received)
     # What a stream is billed: what its client received; for one that did not complete, what the log holds (any
     # client of the stream may still read it: the billing rule of ``inference_workers/listeners.py``), whose excess
@@ -335,6 +339,8 @@ def _missed(t: Table, want: Expectation) -> list[str]:
     goals: list[tuple[bool, str]] = [
         (t.streams_audited == t.sent - t.refused,
          f"every accepted stream audited: {t.streams_audited} of {t.sent - t.refused} ({t.streams_unaudited} not)"),
+        (t.streams_not_in_log == 0,
+         f"every stream whose client received tokens found in the token log: {t.streams_not_in_log} not"),
         (not failures, f"no failure but {sorted(want.allowed_failures) or 'none'}: {failures}"),
         (t.completed >= needed, f"at least {needed} streams completed: {t.completed}"),
         (not want.must_fail or bool(t.failed), "the scenario's designed failures happened: none did"),

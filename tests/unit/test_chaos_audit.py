@@ -125,6 +125,14 @@ def _request_records_unread(e: Evidence) -> None:
     e.requests = {}  # a read of the wrong topic, namespace or isolation: nothing to audit against
 
 
+def _token_log_unread(e: Evidence) -> None:
+    e.tokens = {}  # the log read from the wrong partition or offset: no hit, no regeneration, nothing for nobody
+
+
+def _nobody_resumed(e: Evidence) -> None:
+    e.expectation = replace(e.expectation, min_resumed=1)  # the healthy run's clients never reconnected
+
+
 def _a_failure_not_allowed(e: Evidence) -> None:
     e.streams[1].error = "stream timeout"
 
@@ -154,6 +162,8 @@ BROKEN: dict[str, tuple[Callable[[Evidence], None], str]] = {
     "a fault that hit nothing": (_fault_misses_every_stream, "the fault hit at least"),
     "a failover that never ran": (_nothing_taken_over, "at least 1 requests taken over"),
     "an audit that read nothing": (_request_records_unread, "every accepted stream audited"),
+    "a token log read that found nothing": (_token_log_unread, "every stream whose client received tokens found"),
+    "no client resumed": (_nobody_resumed, "at least 1 streams resumed by their clients"),
     "a failure the scenario does not allow": (_a_failure_not_allowed, "no failure but"),
     "a ledger unlike the usage log": (_ledger_disagrees_with_the_log, "the ledger equals the usage log"),
     "a turn misrecorded": (_a_turn_misrecorded, "every answered turn in its conversation once"),
