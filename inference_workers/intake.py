@@ -92,6 +92,8 @@ from schemas.headers import reply_address
 from schemas.token_batch import Delta
 
 log = logging.getLogger(__name__)
+#: what a client is told of a generation the engine failed (the cause is in the worker's log, by request id)
+ENGINE_FAILED = "the engine could not generate this request; the worker's log has the cause"
 
 #: why a generation was interrupted → the finish reason it is committed with (None: not committed at all)
 ABORT_OUTCOMES: dict[str, str | None] = {
@@ -516,9 +518,11 @@ class Intake:
                            ErrorCode.STREAM_INCONSISTENT.value)
         except KafkaError as exc:
             return Outcome("error", [], "", f"token delivery failed: {exc!r}", ErrorCode.TOKEN_DELIVERY_FAILED.value)
-        except Exception as exc:  # one failed request (engine rejected it, bad params): never the worker
-            log.exception("generation failed")
-            return Outcome("error", [], "", f"{type(exc).__name__}: {exc}", ErrorCode.GENERATION_FAILED.value)
+        except Exception:  # one failed request (engine rejected it, bad params): never the worker
+            # The engine's own words (paths, device state, library versions) stay in the worker's log: the final
+            # event's error reaches the client (security review L4)
+            log.exception("generation failed", extra={"request_id": job.request.request_id})
+            return Outcome("error", [], "", ENGINE_FAILED, ErrorCode.GENERATION_FAILED.value)
 
     async def _take_over(self, job: Job) -> Outcome | None:
         """Read what earlier attempts emitted. An outcome when the stream already ended (nothing to generate)."""
