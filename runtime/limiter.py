@@ -106,13 +106,14 @@ end
 return {1, math.floor(levels[r] - 1), reset(r, 1), math.floor(levels[k] - cost), reset(k, cost)}
 """
 
-# KEYS: 1-2 the key's and the org's read buckets. ARGV: 1-2 their reads per minute.
+# KEYS: 1-2 the key's and the org's read buckets. ARGV: 1-2 their reads per minute, 3 the reads this one takes.
 # Returns {1, reads remaining, reset ms} or {0, reads remaining, reset ms, scope ('key'|'org'), retry after ms,
 #          limit value}: the remaining and reset of the tighter bucket.
 _READ = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local buckets = {{KEYS[1], tonumber(ARGV[1]), 'key'}, {KEYS[2], tonumber(ARGV[2]), 'org'}}
+local cost = tonumber(ARGV[3] or '1')
 local levels = {}
 for i, b in ipairs(buckets) do
   local v = redis.call('HMGET', b[1], 'v', 't')
@@ -125,15 +126,15 @@ local function reset(debit)
   return math.max(0, math.ceil((buckets[r][2] - (levels[r] - debit)) * 60000 / buckets[r][2]))
 end
 for i, b in ipairs(buckets) do
-  if levels[i] < 1 then
-    return {0, math.floor(levels[r]), reset(0), b[3], math.ceil((1 - levels[i]) * 60000 / b[2]), b[2]}
+  if levels[i] < cost then
+    return {0, math.floor(levels[r]), reset(0), b[3], math.ceil((cost - levels[i]) * 60000 / b[2]), b[2]}
   end
 end
 for i, b in ipairs(buckets) do
-  redis.call('HSET', b[1], 'v', string.format('%.17g', levels[i] - 1), 't', now)
+  redis.call('HSET', b[1], 'v', string.format('%.17g', levels[i] - cost), 't', now)
   redis.call('PEXPIRE', b[1], 120000)
 end
-return {1, math.floor(levels[r] - 1), reset(1)}
+return {1, math.floor(levels[r] - cost), reset(cost)}
 """
 
 # KEYS: 1 the reservation. ARGV: 1 request id, 2 tokens used, 3 '1' when the request was billed (its budget hold is
@@ -257,9 +258,11 @@ class Limiter(Protocol):
     async def admit(self, request_id: str, tokens: int, *, key_id: str, org_id: str, key_limits: Limits,
                     org_limits: Limits, budget: BudgetHold | None = None) -> Decision: ...
 
-    async def admit_read(self, *, key_id: str, org_id: str, key_reads: int, org_reads: int) -> ReadDecision:
+    async def admit_read(self, *, key_id: str, org_id: str, key_reads: int, org_reads: int,
+                         cost: int = 1) -> ReadDecision:
         """One read (a list read or a resume) against the key's and the org's read buckets (``*_reads`` per
-        minute); a bucket apart from the requests': reads never take what generation may use, nor the reverse."""
+        minute); a bucket apart from the requests': reads never take what generation may use, nor the reverse.
+        ``cost``: the reads it takes (a usage report takes one per week of its range; at most a bucket's size)."""
         ...
 
     async def release(self, request_id: str, *, key_id: str, org_id: str) -> None:
@@ -324,10 +327,11 @@ class RateLimiter:
             return Refused(_text(answer[5]), _text(answer[6]), int(answer[7]), int(answer[8]), window)
         return Admitted(window)
 
-    async def admit_read(self, *, key_id: str, org_id: str, key_reads: int, org_reads: int) -> ReadDecision:
+    async def admit_read(self, *, key_id: str, org_id: str, key_reads: int, org_reads: int,
+                         cost: int = 1) -> ReadDecision:
         keys = [redis_key(self._settings, "rl", scope, ident, "reads") for scope, ident in (("key", key_id),
                                                                                              ("org", org_id))]
-        answer = await self._read(keys=keys, args=[key_reads, org_reads])
+        answer = await self._read(keys=keys, args=[key_reads, org_reads, cost])
         window = ReadWindow(min(key_reads, org_reads), int(answer[1]), int(answer[2]))
         if int(answer[0]) == 0:
             return ReadDecision(False, window, _text(answer[3]), int(answer[4]), int(answer[5]))

@@ -137,20 +137,22 @@ class Admission:
         LIMITER_DECISIONS.labels(outcome="admitted", limiter=kind).inc()
         return Ticket(request_id, key.key_id, key.org_id, tokens, limiter, decision.window, local)
 
-    async def admit_read(self, key: ApiKey) -> ReadWindow:
+    async def admit_read(self, key: ApiKey, cost: int = 1) -> ReadWindow:
         """One list read or resume of ``key``, before it reads anything: 429 ``rate_limit_exceeded`` past its reads
         per minute (``reads_for``). With the shared limiter unreachable this process's own read buckets decide,
-        whatever the tier's ``when_redis_down``: a read generates nothing, and the local buckets still bound it."""
+        whatever the tier's ``when_redis_down``: a read generates nothing, and the local buckets still bound it.
+        ``cost``: the reads one that reads more takes (never more than a full bucket: it is always admissible)."""
         reads = reads_for(key.org, self._tiers)
+        cost = max(1, min(cost, reads))
         kind = "shared"
         try:
             decision = await self._shared.admit_read(key_id=key.key_id, org_id=key.org_id, key_reads=reads,
-                                                     org_reads=reads)
+                                                     org_reads=reads, cost=cost)
         except LIMITER_DOWN:
             LIMITER_REDIS_DOWN.labels(policy="local").inc()
             kind = "local"
             decision = await self._local.admit_read(key_id=key.key_id, org_id=key.org_id, key_reads=reads,
-                                                    org_reads=reads)
+                                                    org_reads=reads, cost=cost)
         if not decision.admitted:
             LIMITER_DECISIONS.labels(outcome="reads", limiter=kind).inc()
             raise read_limited(decision, key)

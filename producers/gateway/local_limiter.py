@@ -94,7 +94,8 @@ class LocalLimiter:
         self._reservations[request_id] = _Reservation(tokens, own_tokens, flights)
         return Admitted(window())
 
-    async def admit_read(self, *, key_id: str, org_id: str, key_reads: int, org_reads: int) -> ReadDecision:
+    async def admit_read(self, *, key_id: str, org_id: str, key_reads: int, org_reads: int,
+                         cost: int = 1) -> ReadDecision:
         now = self._now()
         buckets = [(self._bucket(scope, ident, "reads", self._scaled(reads), now), scope)
                    for scope, ident, reads in (("key", key_id, key_reads), ("org", org_id, org_reads))]
@@ -104,11 +105,11 @@ class LocalLimiter:
             return ReadWindow(int(tight.capacity), math.floor(tight.level - debit), tight.reset_ms(debit))
 
         for bucket, scope in buckets:
-            if bucket.level < 1:
-                wait = math.ceil((1 - bucket.level) * 60_000 / bucket.capacity)
+            if bucket.level < cost:
+                wait = math.ceil((cost - bucket.level) * 60_000 / bucket.capacity)
                 return ReadDecision(False, window(0), scope, wait, int(bucket.capacity))
         for bucket, _scope in buckets:
-            bucket.level -= 1
+            bucket.level -= cost
         return ReadDecision(True, window(0))
 
     async def release(self, request_id: str, *, key_id: str, org_id: str) -> None:

@@ -56,3 +56,20 @@ async def test_an_orgs_keys_share_its_read_bucket_and_its_requests_are_untouched
         assert isinstance(admitted, Admitted)  # the reads took nothing from the requests' bucket
     finally:
         await redis.aclose()
+
+
+async def test_a_read_that_costs_several_takes_them_all_or_none(stack: Settings) -> None:
+    redis = make_redis(stack.redis)
+    limiter = RateLimiter(redis, stack.redis)
+    key_id, org_id = _ids()
+    try:
+        answers = [await limiter.admit_read(key_id=key_id, org_id=org_id, key_reads=10, org_reads=1000, cost=4)
+                   for _ in range(3)]
+        single = await limiter.admit_read(key_id=key_id, org_id=org_id, key_reads=10, org_reads=1000)
+    finally:
+        await redis.aclose()
+    assert [a.admitted for a in answers] == [True, True, False]
+    assert [a.window.remaining for a in answers[:2]] == [6, 2]
+    # refused for the 2 reads it lacked (one each 6 s), and took nothing: a read of one still finds its 2
+    assert (answers[2].scope, 11_000 < answers[2].retry_after_ms <= 12_000) == ("key", True)
+    assert single.admitted and single.window.remaining == 1

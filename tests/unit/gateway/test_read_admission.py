@@ -5,6 +5,7 @@ route reads anything; with Redis down this process's own read buckets decide, wh
 from __future__ import annotations
 
 import socket
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -122,8 +123,43 @@ async def test_a_list_read_past_the_read_rate_is_refused_before_it_reads(route: 
         "conversations": lambda: conversations.list_conversations(ctx, key, after=None, limit=20),
         "conversation items": lambda: conversations.list_items("conv_1", ctx, key, after=None, limit=20,
                                                                order="desc"),
-        "usage": lambda: usage.usage(ctx, key, start="0", end=None, group_by="model"),
+        "usage": lambda: usage.usage(ctx, key, start=str(int(time.time()) - 3600), end=None, group_by="model"),
     }
     with pytest.raises(ApiError) as raised:
         await calls[route]()
     assert (raised.value.status, raised.value.code) == (429, "rate_limit_exceeded")
+
+
+class _NoUsage:
+    async def usage(self, *_args: Any) -> dict[str, Any]:
+        return {}
+
+
+async def test_a_usage_report_takes_a_read_per_week_of_its_range() -> None:
+    """A report reads its range's days (a 93-day one costs the gateway ~0.2 s of CPU, a list read a few ms): a key
+    asking for long reports as often as for lists must not get them as often (``kns bench flood``)."""
+    key = api_key(tier="free")  # 30 reads a minute
+    ctx = SimpleNamespace(admission=Admission(LocalLimiter(clock=Clock()), LocalLimiter(), TIERS), ledger=_NoUsage())
+    now = int(time.time())
+
+    async def report(days: int) -> dict[str, Any]:
+        return await usage.usage(ctx, key, start=str(now - days * 86_400), end=str(now), group_by="day")  # type: ignore[arg-type]
+
+    assert usage.read_cost(usage.MAX_RANGE) == 14 and usage.read_cost(usage.READ_SPAN) == 1
+    for _ in range(2):
+        await report(93)  # 14 reads each: 2 of the 30 left
+    with pytest.raises(ApiError) as raised:
+        await report(93)
+    assert raised.value.status == 429 and (raised.value.headers or {})["retry-after"] == "24"  # 12 reads short
+    for _ in range(2):
+        await report(1)
+    with pytest.raises(ApiError):
+        await report(1)
+
+
+async def test_a_read_that_costs_more_than_a_bucket_takes_the_whole_bucket_and_is_still_admissible() -> None:
+    key = api_key(tier="free", limits=LimitOverrides(requests_per_minute=5))
+    admission = Admission(LocalLimiter(clock=Clock()), LocalLimiter(), TIERS)
+    await admission.admit_read(key, cost=14)
+    with pytest.raises(ApiError):
+        await admission.admit_read(key)
