@@ -55,6 +55,11 @@ YIELD_EVERY = 1000
 #: a resume at most this many records behind its partition's feed of resumed streams rewinds that feed (a replay of
 #: a few milliseconds for the feed's other streams); one further back reads its backlog on a consumer of its own
 NEAR_REWIND = 1000
+#: a feed streaming at most this many requests looks for their ids among a record's bytes before decoding it: a far
+#: resume's catch-up reads thousands of other requests' records for one stream, and decoding each was most of the
+#: gateway's CPU under a flood of far resumes (``kns bench flood``, py-spy); with more streams the look costs more
+#: than the decode saves
+FEW_STREAMS = 8
 #: far resumes reading their backlog at once in one gateway process (each a consumer decoding its partition's
 #: records); another waits for a turn, delaying no stream but its own
 MAX_CATCH_UPS = 8
@@ -151,6 +156,9 @@ class _Feed:
         if record.key is not None and (keyed is None or record.offset < keyed.next_offset):
             self._relay.unknown.inc()  # one request's record, and nobody here streams it: not even decoded
             return
+        if record.key is None and not self._may_carry_ours(record.value, record.offset):
+            self._relay.unknown.inc()  # none of its requests is streamed here: not decoded either
+            return
         try:
             fields = self._codec.decode_dict(record.value)
         except DecodeError as exc:
@@ -173,6 +181,13 @@ class _Feed:
         for sink in taken:  # after the whole record: it may carry several deltas of one request
             sink.next_offset = record.offset + 1
         self._relay.count(routed, duplicate, unknown)
+
+    def _may_carry_ours(self, value: bytes, offset: int) -> bool:
+        """False only when the record carries no event of a stream this feed still wants (a few streams only)."""
+        if len(self.sinks) > FEW_STREAMS:
+            return True
+        return any(offset >= sink.next_offset and may_carry(value, request_id.encode())
+                   for request_id, sink in self.sinks.items())
 
     async def _undecodable(self, record: ConsumerRecord[bytes, bytes], sink: _Sink | None, exc: DecodeError) -> None:
         """A record this gateway cannot read: the streams it carries end now. An unkeyed one may carry several

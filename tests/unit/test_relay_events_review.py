@@ -78,3 +78,32 @@ def test_an_int_out_of_the_schemas_range_ends_its_stream_not_the_whole_feed() ->
         assert bad.stream.tokens == 0
 
     asyncio.run(run())
+
+
+def test_a_feed_of_a_few_streams_decodes_only_the_records_that_carry_one_of_them() -> None:
+    """A far resume's catch-up reads thousands of other requests' records for its one stream: it looks for its
+    stream's id among a record's bytes first, and decodes only the records that may carry it."""
+
+    class Counting:
+        decoded = 0
+
+        def decode_dict(self, value: bytes) -> dict[str, Any]:
+            Counting.decoded += 1
+            return CODEC.decode_dict(value)
+
+    async def run() -> tuple[int, int, float]:
+        relay = Relay(Settings().kafka, "t", 0)
+        relay._own._codec = Counting()  # type: ignore[assignment]
+        before = _value(relay.unknown)
+        ours = relay.register("req-ours")
+        others = [CODEC.encode_dict(pack([_delta(f"req-{n:04d}", 0, [n], "x"),
+                                          _delta(f"req-{n + 1:04d}", 0, [1], "y")])) for n in range(100)]
+        for offset, value in enumerate(others):
+            await relay._own._route(_record(offset, value))
+        mixed = CODEC.encode_dict(pack([_delta("req-0007", 1, [2], "z"), _delta("req-ours", 0, [9], "o")]))
+        await relay._own._route(_record(100, mixed))
+        return Counting.decoded, ours.stream.tokens, _value(relay.unknown) - before
+
+    decoded, tokens, unknown = asyncio.run(run())
+    assert (decoded, tokens) == (1, 1)
+    assert unknown == 100 + 1  # the records not decoded, and the other request's delta of the decoded one
