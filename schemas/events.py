@@ -100,12 +100,19 @@ class ChatRequest(Event):
         return self.turn is not None and self.turn.background
 
     @property
+    def readable_later(self) -> bool:
+        """Whether its client can read the answer without its stream: a stored completion or response, or a turn
+        its conversation appends (a ``store: false`` response outside a conversation is kept nowhere)."""
+        stored = self.turn.store if self.turn is not None and self.turn.api == "responses" else self.store
+        return stored or self.conversation_id is not None
+
+    @property
     def runs_unattended(self) -> bool:
         """Generated to its end whether or not any client connection is attached: a background response, or a
-        non-streamed request the worker records (a stored completion, a turn), whose client cannot resume it and
-        reads the record instead. Its client hanging up still cancels it (its gateway says so); its gateway dying
-        does not."""
-        return self.background or (self.keeps_record and not self.stream)
+        non-streamed request whose answer is kept (:attr:`readable_later`): its client cannot resume it and reads
+        the record instead. Its client hanging up still cancels it (its gateway says so); its gateway dying does
+        not."""
+        return self.background or (self.readable_later and not self.stream)
 
     def turn_input(self) -> list[ChatMessage]:
         """The messages a record keeps: a turn's new input only (its history is recorded already), else all."""

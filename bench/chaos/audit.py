@@ -166,8 +166,8 @@ class Table:
     tokens_duplicated: int = 0
     tokens_lost: int = 0
     spliced_streams: int = 0
-    #: streams whose client received tokens the token log does not hold (a read of the log that found nothing
-    #: would otherwise pass every goal counted from it: hit mid-generation aside, generated twice or for nobody)
+    #: streams whose client received tokens the token log does not hold (a read of the log that found nothing, or
+    #: part of a stream, would otherwise pass every goal counted from it: generated twice or for nobody)
     streams_not_in_log: int = 0
     #: streams whose generation spanned the fault's start (token log)
     hit_mid_generation: int = 0
@@ -223,8 +223,9 @@ def judge(evidence: Evidence) -> Table:
     table.refused = sum(1 for s in streams if s.refused)
     received = {s.request_id: _received(evidence, s) for s in streams if s.request_id}
     _audit_streams(table, evidence)
-    table.streams_not_in_log = sum(1 for r, got in received.items() if got > 0 and not evidence.tokens.get(r))
     in_log = _audit_log(table, evidence, received)
+    table.streams_not_in_log = sum(1 for r, got in received.items()
+                                   if got > 0 and _short_in_log(evidence, r, got, in_log))
     # What a stream is billed: what its client received; for one that did not complete, what the log holds (any
     # client of the stream may still read it: the billing rule of ``inference_workers/listeners.py``), whose excess
     # over what it received is the scenario's bounded ``generated_for_nobody``
@@ -296,6 +297,15 @@ def _audit_log(table: Table, evidence: Evidence, received: dict[str, int]) -> di
         if request_id in failed:
             table.generated_for_nobody += max(0, len(covered) - received.get(request_id, 0))
     return in_log
+
+
+def _short_in_log(evidence: Evidence, request_id: str, received: int, in_log: dict[str, int]) -> bool:
+    """The token log holds less of the stream than its client received: with the synthetic engine a client can
+    only receive what the log holds (token for token); the real model's client count is its text tokenized again,
+    which may differ from the generated ids by a few, so there only a stream absent from the log counts."""
+    if evidence.synthetic:
+        return in_log.get(request_id, 0) < received
+    return not evidence.tokens.get(request_id)
 
 
 def _spans(events: list[TokenEvent], moment_us: int) -> bool:

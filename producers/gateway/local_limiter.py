@@ -105,11 +105,14 @@ class LocalLimiter:
             return ReadWindow(int(tight.capacity), math.floor(tight.level - debit), tight.reset_ms(debit))
 
         for bucket, scope in buckets:
-            if bucket.level < cost:
-                wait = math.ceil((cost - bucket.level) * 60_000 / bucket.capacity)
+            # A read that costs more than this process's share of the bucket takes the whole of it: else it would
+            # be refused for as long as Redis is down, each time told to come back
+            need = min(cost, bucket.capacity)
+            if bucket.level < need:
+                wait = math.ceil((need - bucket.level) * 60_000 / bucket.capacity)
                 return ReadDecision(False, window(0), scope, wait, int(bucket.capacity))
         for bucket, _scope in buckets:
-            bucket.level -= cost
+            bucket.level -= min(cost, bucket.capacity)
         return ReadDecision(True, window(0))
 
     async def release(self, request_id: str, *, key_id: str, org_id: str) -> None:

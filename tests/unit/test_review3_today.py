@@ -1,10 +1,9 @@
 """Adversarial review of a14b434 (runs_unattended), 4d07ac1 (ENGINE_FAILED), 75a43f4 (chaos audit: streams in the
-token log), 3f16486 (a usage report's read cost) and 46c094b (the relay's id filter). Each test is a defect found,
-a strict xfail stating the defect, its consequence and the line; it passes once the defect is fixed."""
+token log), 3f16486 (a usage report's read cost) and 46c094b (the relay's id filter). Each test is a defect found
+(it failed as a strict xfail stating the defect, its consequence and the line, 97978eb) and passes since its fix."""
 
 from __future__ import annotations
 
-import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from bench.chaos.audit import judge
@@ -28,14 +27,6 @@ from tests.unit.worker.test_presence_resume import Redis, emitted
 TIERS = TierTable.model_validate({})
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a14b434: ChatRequest.runs_unattended (schemas/events.py:108) is `background or (keeps_record and not "
-    "stream)`, and keeps_record is true for every Responses API request (it always carries a Turn), so a "
-    "non-streamed `store: false` response outside any conversation runs unattended although nothing keeps its "
-    "answer (turns.py:52 stores no response row, no conversation appends it) and its client, whose connection died "
-    "with its gateway, can neither resume nor read it: presence.py:57 skips it, it is generated to max_tokens for "
-    "nobody and billed whole (here 8 tokens, 'length') instead of being cancelled after the grace and billed what "
-    "was emitted while its gateway lived (3)"))
 async def test_a_non_streamed_unstored_response_is_cancelled_for_nobody_when_its_gateway_dies() -> None:
     group, clock = FakeGroup(), WorkerClock()
     worker = FakeWorker("w1", group, FakeEngine(auto=False))
@@ -65,12 +56,6 @@ class _RedisDown:
         raise RedisConnectionError("Redis is down")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "3f16486: Admission.admit_read caps a read's cost at the key's reads per minute (admission.py:146), but with "
-    "Redis down the local limiter's buckets hold only tenancy.local_share of it (local_limiter.py:100, "
-    "_scaled): a cost above the scaled capacity fails `bucket.level < cost` (local_limiter.py:108) forever, so "
-    "a free-tier key behind 4 gateways (share 0.25: 7 reads) is refused every usage report of more than 7 weeks "
-    "for as long as Redis is down, each time with a Retry-After (60 s here) after which it is refused again"))
 async def test_with_redis_down_a_long_usage_report_is_admitted_once_its_retry_after_has_passed() -> None:
     clock = Clock()
     admission = Admission(_RedisDown(), LocalLimiter(share=0.25, clock=clock), TIERS)  # type: ignore[arg-type]
@@ -84,13 +69,6 @@ async def test_with_redis_down_a_long_usage_report_is_admitted_once_its_retry_af
         await admission.admit_read(key, cost=cost)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "75a43f4: the new goal counts a stream as found in the token log when the log holds any event of it "
-    "(bench/chaos/audit.py:226, `not evidence.tokens.get(r)`), so a log read that found only a stream's final "
-    "(or part of its deltas) passes it, and every goal counted from the log is then vacuous for that stream "
-    "(generated for nobody, generated twice, hit mid-generation): with the synthetic engine a client can never "
-    "receive more tokens than the log holds, yet a run whose log read lost all 20 of a stream's tokens meets "
-    "every goal"))
 def test_the_chaos_audit_fails_a_run_whose_token_log_holds_fewer_tokens_than_a_client_received() -> None:
     evidence = healthy()
     request_id = evidence.streams[1].request_id or ""
