@@ -253,7 +253,7 @@ class Finalizer:
                         isolated = True
                         log.error("a final cannot be written; recording it without its text",
                                   extra={"request_id": items[0].final.request_id, "reason": repr(exc)})
-                        items = [items[0].without_text(f"the final event could not be written: {exc!r}")]
+                        items = [items[0].without_text("the final event could not be written")]  # why: logged above
                         continue
                     raise FatalError(f"cannot commit on partition {tp.partition}: {exc!r}") from exc
                 WORKER_FINALIZE_FAILURES.labels(kind="transient").inc()

@@ -516,8 +516,9 @@ class Intake:
         except Diverged as exc:
             return Outcome("error", [], "", f"failover could not continue the stream exactly: {exc}",
                            ErrorCode.STREAM_INCONSISTENT.value)
-        except KafkaError as exc:
-            return Outcome("error", [], "", f"token delivery failed: {exc!r}", ErrorCode.TOKEN_DELIVERY_FAILED.value)
+        except KafkaError:
+            log.exception("token delivery failed", extra={"request_id": job.request.request_id})
+            return Outcome("error", [], "", "token delivery failed", ErrorCode.TOKEN_DELIVERY_FAILED.value)
         except Exception:  # one failed request (engine rejected it, bad params): never the worker
             # The engine's own words (paths, device state, library versions) stay in the worker's log: the final
             # event's error reaches the client (security review L4)
