@@ -8,6 +8,7 @@ from typing import Any
 
 from producers.gateway.admission import Admission
 from producers.gateway.service import ChatService
+from producers.relay.collector import StreamCollector
 from runtime.settings import GatewaySettings, TierPolicy
 from schemas.events import ChatRequest, SamplingSpec
 from tests.fakes.tenancy import local_admission
@@ -72,3 +73,29 @@ class RecordingPublisher:
     async def detach(self, request_id: str, attachment: str, delivered_tokens: int, window_s: float, reason: str,
                      traceparent: str | None = None) -> None:
         self.detaches.append(Sent(request_id, delivered_tokens, attachment, window_s))
+
+
+class Relay:
+    """The relay's registration rule (``producers/relay/demux.py``): one connection per stream per gateway
+    process; a second one is refused (ValueError, answered 409)."""
+
+    def __init__(self) -> None:
+        self.collectors: dict[str, StreamCollector] = {}
+
+    def register(self, request_id: str) -> StreamCollector:
+        self._refuse_second(request_id)
+        collector = self.collectors[request_id] = StreamCollector(request_id)
+        return collector
+
+    async def resume(self, request_id: str, partition: int, from_offset: int, *, skip_through: int
+                     ) -> StreamCollector:
+        self._refuse_second(request_id)
+        collector = self.collectors[request_id] = StreamCollector(request_id, skip_through=skip_through)
+        return collector
+
+    def unregister(self, request_id: str) -> None:
+        self.collectors.pop(request_id, None)
+
+    def _refuse_second(self, request_id: str) -> None:
+        if request_id in self.collectors:
+            raise ValueError(f"request {request_id} is already registered")

@@ -12,29 +12,11 @@ import pytest
 from producers.gateway.errors import ApiError
 from producers.gateway.protocol import ChatCompletionRequest
 from producers.gateway.service import ChatService, HandedOver
-from producers.relay.collector import StreamCollector
 from runtime.settings import GatewaySettings, TenancySettings
 from runtime.streams import StreamRecord
 from schemas.events import ORIGIN_ATTACHMENT, LimitOverrides, TokenEvent
-from tests.fakes.gateway import PROMPTS, RecordingPublisher
+from tests.fakes.gateway import PROMPTS, RecordingPublisher, Relay
 from tests.fakes.tenancy import api_key, local_admission
-
-
-class Relay:
-    def __init__(self) -> None:
-        self.collectors: dict[str, StreamCollector] = {}
-
-    def register(self, request_id: str) -> StreamCollector:
-        collector = self.collectors[request_id] = StreamCollector(request_id)
-        return collector
-
-    async def resume(self, request_id: str, partition: int, from_offset: int, *, skip_through: int
-                     ) -> StreamCollector:
-        collector = self.collectors[request_id] = StreamCollector(request_id, skip_through=skip_through)
-        return collector
-
-    def unregister(self, request_id: str) -> None:
-        self.collectors.pop(request_id, None)
 
 
 class Streams:

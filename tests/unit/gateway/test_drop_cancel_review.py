@@ -17,40 +17,15 @@ from producers.gateway.protocol import ChatCompletionRequest
 from producers.gateway.responses import ResponsesService
 from producers.gateway.responses_protocol import ResponseCreate
 from producers.gateway.service import Accepted, ChatService, HandedOver
-from producers.relay.collector import StreamCollector
 from runtime.settings import GatewaySettings, TenancySettings
 from runtime.streams import StreamRecord
 from schemas.events import LimitOverrides, TokenEvent, TokenUsage
 from tests.fakes.conversations import Conversations, Responses, planner, prompts
 from tests.fakes.conversations import Redis as TurnRedis
-from tests.fakes.gateway import PROMPTS, RecordingPublisher
+from tests.fakes.gateway import PROMPTS, RecordingPublisher, Relay
 from tests.fakes.tenancy import api_key, local_admission
 
 TRACE = "00-0-0-01"
-
-
-class Relay:
-    """The relay's registration rule (``producers/relay/demux.py`` line 234): one connection per stream per gateway
-    process, a second one is refused (ValueError, answered 409)."""
-
-    def __init__(self) -> None:
-        self.collectors: dict[str, StreamCollector] = {}
-
-    def register(self, request_id: str) -> StreamCollector:
-        if request_id in self.collectors:
-            raise ValueError(f"request {request_id} is already registered")
-        collector = self.collectors[request_id] = StreamCollector(request_id)
-        return collector
-
-    async def resume(self, request_id: str, partition: int, from_offset: int, *, skip_through: int
-                     ) -> StreamCollector:
-        if request_id in self.collectors:
-            raise ValueError(f"request {request_id} is already registered")
-        collector = self.collectors[request_id] = StreamCollector(request_id, skip_through=skip_through)
-        return collector
-
-    def unregister(self, request_id: str) -> None:
-        self.collectors.pop(request_id, None)
 
 
 class Streams:

@@ -17,7 +17,6 @@ from producers.gateway.errors import ApiError
 from producers.gateway.local_limiter import LocalLimiter
 from producers.gateway.protocol import ChatCompletionRequest
 from producers.gateway.service import ChatService
-from producers.relay.collector import StreamCollector
 from runtime.limiter import Refused, Window
 from runtime.settings import GatewaySettings, TenancySettings, TierTable
 from runtime.streams import StreamRecord
@@ -31,27 +30,8 @@ from schemas.events import (
     Turn,
 )
 from stream_processors.safety.policy import refusal
-from tests.fakes.gateway import PROMPTS, Clock, RecordingPublisher
+from tests.fakes.gateway import PROMPTS, Clock, RecordingPublisher, Relay
 from tests.fakes.tenancy import api_key, local_admission
-
-
-class Relay:
-    def __init__(self) -> None:
-        self.collectors: dict[str, StreamCollector] = {}
-
-    def register(self, request_id: str) -> StreamCollector:
-        collector = self.collectors[request_id] = StreamCollector(request_id)
-        return collector
-
-    async def resume(self, request_id: str, partition: int, from_offset: int, *, skip_through: int
-                     ) -> StreamCollector:
-        if request_id in self.collectors:
-            raise ValueError("registered already")
-        collector = self.collectors[request_id] = StreamCollector(request_id, skip_through=skip_through)
-        return collector
-
-    def unregister(self, request_id: str) -> None:
-        self.collectors.pop(request_id, None)
 
 
 class Streams:
