@@ -10,6 +10,7 @@ from producers.gateway.admission import Admission
 from producers.gateway.service import ChatService
 from producers.relay.collector import StreamCollector
 from runtime.settings import GatewaySettings, TierPolicy
+from runtime.streams import StreamRecord
 from schemas.events import ChatRequest, SamplingSpec
 from tests.fakes.tenancy import local_admission
 
@@ -99,3 +100,24 @@ class Relay:
     def _refuse_second(self, request_id: str) -> None:
         if request_id in self.collectors:
             raise ValueError(f"request {request_id} is already registered")
+
+
+class Streams:
+    """The stream registry over a dict: records by id, and the ids whose generation has ended (their claim is
+    done)."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, StreamRecord] = {}
+        self.done: set[str] = set()
+
+    async def record(self, record: StreamRecord) -> None:
+        self.records[record.request_id] = record
+
+    async def lookup(self, request_id: str) -> StreamRecord | None:
+        return self.records.get(request_id)
+
+    async def listen(self, request_id: str, gateway_id: str) -> None:
+        pass
+
+    async def finished(self, request_id: str) -> bool:
+        return request_id in self.done

@@ -15,28 +15,8 @@ from producers.gateway.service import ChatService, HandedOver
 from runtime.settings import GatewaySettings, TenancySettings
 from runtime.streams import StreamRecord
 from schemas.events import ORIGIN_ATTACHMENT, LimitOverrides, TokenEvent
-from tests.fakes.gateway import PROMPTS, RecordingPublisher, Relay
+from tests.fakes.gateway import PROMPTS, RecordingPublisher, Relay, Streams
 from tests.fakes.tenancy import api_key, local_admission
-
-
-class Streams:
-    """The stream registry: records by id, and the ids whose generation has ended (their claim is done)."""
-
-    def __init__(self) -> None:
-        self.records: dict[str, StreamRecord] = {}
-        self.done: set[str] = set()
-
-    async def record(self, record: StreamRecord) -> None:
-        self.records[record.request_id] = record
-
-    async def lookup(self, request_id: str) -> StreamRecord | None:
-        return self.records.get(request_id)
-
-    async def listen(self, request_id: str, gateway_id: str) -> None:
-        pass
-
-    async def finished(self, request_id: str) -> bool:
-        return request_id in self.done
 
 
 def service(**gateway: float) -> tuple[ChatService, RecordingPublisher, Relay, Streams]:

@@ -18,33 +18,13 @@ from producers.gateway.responses import ResponsesService
 from producers.gateway.responses_protocol import ResponseCreate
 from producers.gateway.service import Accepted, ChatService, HandedOver
 from runtime.settings import GatewaySettings, TenancySettings
-from runtime.streams import StreamRecord
 from schemas.events import LimitOverrides, TokenEvent, TokenUsage
 from tests.fakes.conversations import Conversations, Responses, planner, prompts
 from tests.fakes.conversations import Redis as TurnRedis
-from tests.fakes.gateway import PROMPTS, RecordingPublisher, Relay
+from tests.fakes.gateway import PROMPTS, RecordingPublisher, Relay, Streams
 from tests.fakes.tenancy import api_key, local_admission
 
 TRACE = "00-0-0-01"
-
-
-class Streams:
-    """The stream registry over a dict."""
-
-    def __init__(self) -> None:
-        self.records: dict[str, StreamRecord] = {}
-
-    async def record(self, record: StreamRecord) -> None:
-        self.records[record.request_id] = record
-
-    async def lookup(self, request_id: str) -> StreamRecord | None:
-        return self.records.get(request_id)
-
-    async def listen(self, request_id: str, gateway_id: str) -> None:
-        pass
-
-    async def finished(self, request_id: str) -> bool:
-        return False
 
 
 def service(publisher: RecordingPublisher | None = None, **options: Any) -> tuple[ChatService, RecordingPublisher,

@@ -19,7 +19,6 @@ from producers.gateway.protocol import ChatCompletionRequest
 from producers.gateway.service import ChatService
 from runtime.limiter import Refused, Window
 from runtime.settings import GatewaySettings, TenancySettings, TierTable
-from runtime.streams import StreamRecord
 from schemas.events import (
     ORIGIN_ATTACHMENT,
     ChatMessage,
@@ -30,22 +29,8 @@ from schemas.events import (
     Turn,
 )
 from stream_processors.safety.policy import refusal
-from tests.fakes.gateway import PROMPTS, Clock, RecordingPublisher, Relay
+from tests.fakes.gateway import PROMPTS, Clock, RecordingPublisher, Relay, Streams
 from tests.fakes.tenancy import api_key, local_admission
-
-
-class Streams:
-    def __init__(self) -> None:
-        self.records: dict[str, StreamRecord] = {}
-
-    async def record(self, record: StreamRecord) -> None:
-        self.records[record.request_id] = record
-
-    async def lookup(self, request_id: str) -> StreamRecord | None:
-        return self.records.get(request_id)
-
-    async def listen(self, request_id: str, gateway_id: str) -> None:
-        pass
 
 
 class Pending:
