@@ -7,7 +7,7 @@ its org's limits (its tier's, or the org's own overrides) therefore never reache
 A request burst counts the requests refused with 429 too: hammering through refusals is the signal, while a client
 that retries only when Retry-After says makes at most one refusal per admission, at most twice the allowance.
 
-Counts live in windowed tables (exact under Faust's exactly-once); a rule fires when a count *crosses* a threshold,
+Counts live in windowed tables (at least once: ``processor.py``); a rule fires when a count *crosses* a threshold,
 so each (rule, key, window) raises at most one FLAG and one SUSPEND, and replays raise the same alert ids.
 """
 

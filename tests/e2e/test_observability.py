@@ -9,7 +9,6 @@ import httpx
 import openai
 import orjson
 import pytest
-from aiokafka.partitioner import murmur2
 from prometheus_client.parser import text_string_to_metric_families
 
 from runtime.kafka_clients import make_producer
@@ -17,7 +16,6 @@ from runtime.settings import Settings
 from schemas.codec import codec_for
 from schemas.events import ChatRequest, TokenEvent
 from schemas.topics import TOPICS
-from stream_processors.abuse.processor import UNDECODABLE
 from tests.conftest import GATEWAY_PORT, PROCESSOR_PORTS, WORKER_ADMIN_PORT
 from tests.e2e.conftest import MODEL, QUESTION, scrape, token_events
 from tests.helpers import ServiceProcess, read_topic, wait_for
@@ -160,18 +158,12 @@ async def test_every_processor_exports_its_metrics(client: openai.OpenAI, stack:
     answer = client.chat.completions.create(model=MODEL, messages=question, temperature=0, max_tokens=4)
     # A normal request raises no abuse alert; a record nobody can read is something only the abuse processor
     # counts as its own (the safety pre-filter reads the same topic and counts it under its own name).
-    # NOTE: the abuse processor re-keys it to UNDECODABLE before decoding, and under exactly_once Faust sends
-    # the re-keyed record in the transaction of its *destination* partition number, which commits only when
-    # a record from that partition number of the source is committed: sent to any other partition, it stays
-    # unreadable (read_committed) until unrelated traffic arrives there. Hence the explicit partition.
     submitted = TOPICS.requests_submitted
     garbage = b"\x00metrics: not avro " + answer.id.encode()
-    partition = (murmur2(UNDECODABLE) & 0x7FFFFFFF) % submitted.partitions
     producer = make_producer(stack.kafka, role="test-metrics")
     await producer.start()
     try:
-        await producer.send_and_wait(stack.kafka.topic(submitted.name), garbage,
-                                     key=f"metrics-{answer.id}".encode(), partition=partition)
+        await producer.send_and_wait(stack.kafka.topic(submitted.name), garbage, key=f"metrics-{answer.id}".encode())
     finally:
         await producer.stop()
 
@@ -182,16 +174,10 @@ async def test_every_processor_exports_its_metrics(client: openai.OpenAI, stack:
     billing = await scrape_until(urls["billing"], before["billing"], "kns_billing_usage_total")
     assert moved(before["billing"], billing, "kns_billing_usage_total", created="true") == 1
     abuse = await scrape_until(urls["abuse"], before["abuse"], "kns_dead_lettered_total", processor="abuse")
-    # >= 1, not == 1: garbage an earlier test sent may be released by this traffic (the EOS lag in the NOTE
-    # above). That the abuse processor counted *this* record is what the dead-letter topic shows.
-    assert moved(before["abuse"], abuse, "kns_dead_lettered_total", processor="abuse") >= 1
+    assert moved(before["abuse"], abuse, "kns_dead_lettered_total", processor="abuse") == 1
 
     async def ours() -> list[dict[str, bytes]]:
-        # Uncommitted too: the abuse processor's dead letter rides in one of its exactly-once transactions, which
-        # commits when its partition's next offsets do (the EOS lag in the NOTE above; once in a CI run, not
-        # within 20 s).
-        rows = await read_topic(stack.kafka, stack.kafka.topic(TOPICS.dead_letter.name), Raw,  # type: ignore[arg-type]
-                                isolation="read_uncommitted")
+        rows = await read_topic(stack.kafka, stack.kafka.topic(TOPICS.dead_letter.name), Raw)  # type: ignore[arg-type]
         return [dict(headers) for _, _, value, headers in rows if value == garbage]
 
     found = await wait_for(ours, timeout_s=20)
