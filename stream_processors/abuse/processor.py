@@ -7,18 +7,25 @@ limits are the ones the gateways enforce, read from the tenancy registry this pr
 one table partition. A threshold crossing becomes an AbuseAlert on the alerts topic; a suspend-level crossing also
 suspends the key (Cassandra + the Redis cache gateways read).
 
-Guarantee: at least once, and never stalled. A restart counts again what it processed after its last commit (at
-most a commit interval's records, far below any threshold: they are multiples of what the limits admit), and
-raises the same alert ids; suspension is an idempotent upsert. Not Faust's ``exactly_once``: it runs a transaction
-per *destination* partition and commits one only when a source record of that partition is committed, so the
-records a ``group_by`` forwarded into a partition no source record touched stayed invisible to the ``read_committed``
-reader, uncounted, until the transaction timed out, was aborted (their counts lost) and crashed the processor
-(``test_a_key_is_counted_when_no_record_of_any_source_shares_its_rekeyed_partition``). Reading uncommitted, the
-usage of a worker transaction that was aborted at a failover counts too: one request's tokens, twice at most.
+Guarantee: at least once, and never stalled. A count is written only after its alert and suspension are done, so a
+process that dies in between (Cassandra down, retried until killed) leaves its record to cross the threshold again
+after the restart; alert ids are deterministic and suspension is an idempotent upsert. Safety violations and client
+addresses are kept as distinct request ids and addresses, so counting a record again changes nothing. A request
+burst or token velocity counted again after a restart reads high by what was processed since the last commit (a
+commit interval's records): at most a FLAG that would not have been raised; a key within its limits is not suspended
+by it (suspension is twice the flag) unless the detector restarts twice within one window (``test_abuse_restarts``).
+Not Faust's ``exactly_once``: it runs a transaction per *destination* partition and commits one only when a source
+record of that partition is committed, so the records a ``group_by`` forwarded into a partition no source record
+touched stayed invisible to the ``read_committed`` reader, uncounted, until the transaction timed out, was aborted
+(their counts lost) and crashed the processor
+(``test_a_key_is_counted_when_no_record_of_any_source_shares_its_rekeyed_partition``). Reading uncommitted, the usage
+of worker transactions that were aborted (a failover, a commit retried) counts too: a key's tokens read high by
+the aborted attempts' usage.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from datetime import UTC, datetime, timedelta
@@ -111,7 +118,8 @@ def build(settings: Settings) -> faust.App:
     dead = DeadLetters(app, settings, "abuse")
     burst = _window_table(app, "abuse-burst", ab.burst_window_s, int)
     addresses = _window_table(app, "abuse-addresses", ab.addresses_window_s, list)
-    violations = _window_table(app, "abuse-violations", ab.violations_window_s, int)
+    # the ids of the window's blocked requests, not a count: a verdict counted again after a restart is not a second
+    violations = _window_table(app, "abuse-blocked-requests", ab.violations_window_s, list)
     velocity = _window_table(app, "abuse-velocity", ab.velocity_window_s, int)
     request_codec, verdict_codec, usage_codec = codec_for(ChatRequest), codec_for(SafetyVerdict), codec_for(UsageEvent)
     refused_codec = codec_for(RequestsRefused)
@@ -130,12 +138,18 @@ def build(settings: Settings) -> faust.App:
             if decoded is not None and time.time() - at <= max_age:
                 yield decoded, at
 
+    # Each count is read, judged and only then written: a process that dies between its alert and the suspension
+    # (Cassandra down, retried until killed) has not written it, so the record, counted again after the restart,
+    # crosses the threshold again. Two agents count into ``burst``; the lock makes each of their counts one step.
+    burst_counting = asyncio.Lock()
+
     async def burst_of(key_id: str, org_id: str, tier: str, requests: int, at: float) -> None:
         limits = await granted.of(org_id, tier)
-        before = burst[key_id].current()
-        burst[key_id] += requests
-        await alerter.check(Rule.REQUEST_BURST, thresholds(Rule.REQUEST_BURST, ab, limits), before, before + requests,
-                            key_id=key_id, org_id=org_id, tier=tier, at_s=at)
+        async with burst_counting:
+            before = burst[key_id].current()
+            await alerter.check(Rule.REQUEST_BURST, thresholds(Rule.REQUEST_BURST, ab, limits), before,
+                                before + requests, key_id=key_id, org_id=org_id, tier=tier, at_s=at)
+            burst[key_id] = before + requests
 
     @app.agent(raw_topic(app, settings, TOPICS.requests_submitted))
     async def requests(stream: Any) -> None:
@@ -143,10 +157,10 @@ def build(settings: Settings) -> faust.App:
             await burst_of(request.key_id, request.org_id, request.tier, 1, at)
             seen = list(addresses[request.key_id].current())
             if request.client_addr and request.client_addr not in seen:
-                addresses[request.key_id] = [*seen, request.client_addr][-(ab.addresses_suspend + 1):]
                 await alerter.check(Rule.MANY_ADDRESSES, thresholds(Rule.MANY_ADDRESSES, ab), len(seen),
                                     len(seen) + 1, key_id=request.key_id, org_id=request.org_id, tier=request.tier,
                                     at_s=at)
+                addresses[request.key_id] = [*seen, request.client_addr][-(ab.addresses_suspend + 1):]
 
     @app.agent(raw_topic(app, settings, TOPICS.requests_refused))
     async def refusals(stream: Any) -> None:
@@ -159,20 +173,23 @@ def build(settings: Settings) -> faust.App:
         async for verdict, at in keyed(stream, verdict_codec, "verdicts-by-key"):
             if not verdict.blocked or not verdict.key_id:
                 continue
-            before = violations[verdict.key_id].current()
-            violations[verdict.key_id] += 1
-            await alerter.check(Rule.SAFETY_VIOLATIONS, thresholds(Rule.SAFETY_VIOLATIONS, ab), before,
-                                before + 1, key_id=verdict.key_id, org_id=verdict.org_id or "", tier="", at_s=at)
+            blocked = list(violations[verdict.key_id].current())
+            if verdict.request_id in blocked:  # the same request's verdict again (a restart, the safety processor's)
+                continue
+            await alerter.check(Rule.SAFETY_VIOLATIONS, thresholds(Rule.SAFETY_VIOLATIONS, ab), len(blocked),
+                                len(blocked) + 1, key_id=verdict.key_id, org_id=verdict.org_id or "", tier="",
+                                at_s=at)
+            violations[verdict.key_id] = [*blocked, verdict.request_id][-(ab.violations_suspend + 1):]
 
     @app.agent(raw_topic(app, settings, TOPICS.usage))
     async def token_velocity(stream: Any) -> None:
         async for usage, at in keyed(stream, usage_codec, "usage-by-key"):
             limits = await granted.of(usage.org_id, usage.tier)
             before = velocity[usage.key_id].current()
-            velocity[usage.key_id] += usage.completion_tokens
             await alerter.check(Rule.TOKEN_VELOCITY, thresholds(Rule.TOKEN_VELOCITY, ab, limits), before,
                                 before + usage.completion_tokens, key_id=usage.key_id, org_id=usage.org_id,
                                 tier=usage.tier, at_s=at)
+            velocity[usage.key_id] = before + usage.completion_tokens
 
     @app.task
     async def follow_registry() -> None:
