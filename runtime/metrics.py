@@ -34,6 +34,9 @@ GATEWAY_REQUESTS = Counter(
     "kns_gateway_requests_total", "Chat completion requests by outcome", ["outcome", "stream"]
 )
 GATEWAY_IN_FLIGHT = Gauge("kns_gateway_requests_in_flight", "Chat completions being answered")
+GATEWAY_TOKENIZER = Counter(
+    "kns_gateway_tokenizer_total", "Answered /tokenize and /detokenize calls (op: tokenize, detokenize)", ["op"]
+)
 GATEWAY_PROMPT = Histogram(
     "kns_gateway_prompt_seconds", "Rendering one prompt (chat template) and tokenizing it (a conversation's turn "
     "that must be truncated renders several)", buckets=_FAST

@@ -30,9 +30,10 @@ from producers.gateway.publisher import EventPublisher
 from producers.gateway.refusals import RefusalReport
 from producers.gateway.responses import ResponsesService
 from producers.gateway.responses_protocol import ResponseView
-from producers.gateway.routes import admin, chat, conversations, health, models, responses, stored, usage
+from producers.gateway.routes import admin, chat, conversations, health, models, responses, stored, tokenize, usage
 from producers.gateway.service import ChatService
 from producers.gateway.stored import StoredCompletions
+from producers.gateway.tokenization import Tokenization
 from producers.gateway.turns import TurnPlanner
 from producers.relay.claim import ReplyPartitionClaim
 from producers.relay.demux import Relay
@@ -139,7 +140,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.ctx = GatewayContext(settings, tenancy, tenancy_admin, suspensions, ledger, prompts, claim, relay,
                                        chat_service, stored_completions,
                                        responses_service,
-                                       conversations_service, admission)
+                                       conversations_service, admission, Tokenization(prompts, admission))
         log.info("gateway ready", extra={"instance": settings.gateway.instance_id, "gateway_id": claim.gateway_id,
                                          "reply_partition": reply_partition})
         gc_pauses.freeze_startup()
@@ -164,6 +165,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(conversations.router)
     app.include_router(models.router)
     app.include_router(usage.router)
+    app.include_router(tokenize.router)
     # The admin API is not in the public /openapi.json (its own: /v1/admin/openapi.json, for admin keys); /metrics
     # only on the internal port (``routes/health.py``).
     app.include_router(admin.router, include_in_schema=False)

@@ -17,6 +17,7 @@ from producers.gateway.prompt import PromptBuilder
 from producers.gateway.responses import ResponsesService
 from producers.gateway.service import ChatService
 from producers.gateway.stored import StoredCompletions
+from producers.gateway.tokenization import Tokenization
 from producers.relay.claim import ReplyPartitionClaim
 from producers.relay.demux import Relay
 from producers.tenancy.admin import TenancyAdmin
@@ -43,6 +44,7 @@ class GatewayContext:
     conversations: ConversationService
     #: list reads and resumes take a read from it (``Admission.admit_read``) before they read anything
     admission: Admission
+    tokenization: Tokenization
 
 
 async def context(request: Request) -> GatewayContext:

@@ -10,10 +10,10 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from producers.gateway.errors import bad_request
-from producers.gateway.protocol import ChatCompletionRequest
+from producers.gateway.protocol import ChatCompletionRequest, ChatMessageIn
 from runtime.metrics import GATEWAY_PROMPT
 from runtime.settings import ModelSettings
 from schemas.events import ChatMessage, SamplingSpec
@@ -44,7 +44,14 @@ class ModelCard:
         }
 
 
-def to_event_messages(request: ChatCompletionRequest) -> list[ChatMessage]:
+class WithMessages(Protocol):
+    """A body with chat messages (a chat completion, a ``/tokenize`` chat)."""
+
+    @property
+    def messages(self) -> list[ChatMessageIn]: ...
+
+
+def to_event_messages(request: WithMessages) -> list[ChatMessage]:
     # "developer" is OpenAI's newer name for the system role; the chat template knows "system".
     return [
         ChatMessage(role="system" if m.role == "developer" else m.role, content=m.text(), name=m.name)
@@ -81,15 +88,45 @@ class PromptBuilder:
         GATEWAY_PROMPT.observe(time.perf_counter() - started)
         return ids
 
-    def render(self, messages: list[ChatMessage]) -> list[int]:
-        """Blocking: apply the chat template and tokenize."""
+    def render(self, messages: list[ChatMessage], *, add_generation_prompt: bool = True,
+               continue_final_message: bool = False) -> list[int]:
+        """Blocking: apply the chat template and tokenize (a chat completion's prompt: the defaults)."""
         encoded = self._tokenizer.apply_chat_template(
             [{"role": m.role, "content": m.content} for m in messages],
-            add_generation_prompt=True,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             tokenize=True,
         )
         ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
         return [int(i) for i in ids]
+
+    # --- the tokenizer as such (``/tokenize``, ``/detokenize``) -------------------------------------------
+
+    @property
+    def vocabulary_size(self) -> int:
+        """Ids ``0 .. vocabulary_size - 1`` are tokens of the model (added tokens included)."""
+        return len(self._tokenizer)
+
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        """Blocking: a plain text's token ids."""
+        return [int(i) for i in self._tokenizer.encode(text, add_special_tokens=add_special_tokens)]
+
+    def render_text(self, messages: list[ChatMessage], *, add_generation_prompt: bool,
+                    continue_final_message: bool) -> str:
+        """Blocking: the chat template's text, untokenized."""
+        return str(self._tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+        ))
+
+    def token_strings(self, ids: list[int]) -> list[str]:
+        return [str(t) for t in self._tokenizer.convert_ids_to_tokens(ids)]
+
+    def decode(self, ids: list[int]) -> str:
+        """Blocking: the text of token ids, special tokens included (as vLLM's ``/detokenize``)."""
+        return str(self._tokenizer.decode(ids))
 
     def sampling(self, request: ChatCompletionRequest, prompt_tokens: int) -> SamplingSpec:
         """The sampling spec, or a 400 when the prompt and the completion cannot fit the context."""

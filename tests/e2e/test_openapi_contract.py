@@ -13,7 +13,9 @@ caps every generation at a handful of tokens.
 What the document cannot say, and the run is told (``CONFIG``): a body over the gateway's size limit is refused with
 413 (a rejection, which schemathesis's default list of rejections lacks); ``GET /v1/usage`` refuses a range that ends
 before it starts or spans more than 93 days (a rule across two parameters and the clock); cancelling a response that
-already ended is a 409 (a rule on the response's state).
+already ended is a 409 (a rule on the response's state); ``/tokenize`` refuses ``continue_final_message`` with an
+explicit ``add_generation_prompt: true`` (two fields), ``/detokenize`` an id past the model's vocabulary (the
+loaded tokenizer's size).
 """
 
 from __future__ import annotations
@@ -59,6 +61,14 @@ checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "403",
 [[operations]]
 include-operation-id = "cancelResponse"
 checks.positive_data_acceptance.expected-statuses = ["2xx", "401", "403", "404", "409", "429"]
+
+[[operations]]
+include-operation-id = "tokenize"
+checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "403", "404", "429"]
+
+[[operations]]
+include-operation-id = "detokenize"
+checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "403", "404", "429"]
 """
 #: the generating creates and every operation on what they create
 GENERATING = ["--include-path-regex", "^/v1/(chat/completions|responses)", "--exclude-operation-id",
