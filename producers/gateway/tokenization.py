@@ -21,8 +21,10 @@ from runtime.metrics import GATEWAY_TOKENIZER
 from runtime.tenancy import ApiKey
 
 T = TypeVar("T")
-#: ids decoded on the event loop at most (a few µs each); more in a thread
+#: ids decoded (or turned into token strings) on the event loop at most (under a µs each); more in a thread
 INLINE_DECODE_IDS = 2000
+#: bodies parsed on the event loop at most: a list of ids is validated item by item (about 0.15 µs a byte)
+INLINE_PARSE_BYTES = 64 * 1024
 
 
 class Tokenization:
@@ -30,9 +32,11 @@ class Tokenization:
         self._prompts = prompts
         self._admission = admission
 
-    async def tokenize(self, key: ApiKey, parse: Callable[[], TokenizeChat | TokenizePrompt]) -> Tokenized:
+    async def tokenize(self, key: ApiKey, parse: Callable[[], TokenizeChat | TokenizePrompt], *,
+                       size: int = 0) -> Tokenized:
+        """``size``: the body's bytes (a large one is parsed in a thread too)."""
         await self._admission.admit_read(key)
-        body = parse()
+        body = await _run(parse, inline=size <= INLINE_PARSE_BYTES)
         self._check_model(body.model, key)
         if isinstance(body, TokenizeChat):
             inline = (len(body.messages) <= INLINE_RENDER_MESSAGES
@@ -41,26 +45,33 @@ class Tokenization:
         else:
             ids = await _run(lambda: self._prompts.encode(body.prompt, add_special_tokens=body.add_special_tokens),
                              inline=len(body.prompt) <= INLINE_RENDER_CHARS)
+        strings = (await _run(lambda: self._prompts.token_strings(ids), inline=len(ids) <= INLINE_DECODE_IDS)
+                   if body.return_token_strs else None)
         GATEWAY_TOKENIZER.labels(op="tokenize").inc()
         return Tokenized(count=len(ids), max_model_len=self._prompts.card.max_model_len, tokens=ids,
-                         token_strs=self._prompts.token_strings(ids) if body.return_token_strs else None)
+                         token_strs=strings)
 
-    async def detokenize(self, key: ApiKey, parse: Callable[[], Detokenize]) -> Detokenized:
+    async def detokenize(self, key: ApiKey, parse: Callable[[], Detokenize], *, size: int = 0) -> Detokenized:
+        """``size``: the body's bytes (a large one is parsed in a thread too)."""
         await self._admission.admit_read(key)
-        body = parse()
+        body = await _run(parse, inline=size <= INLINE_PARSE_BYTES)
         self._check_model(body.model, key)
-        size = self._prompts.vocabulary_size
-        unknown = next((i for i in body.tokens if i >= size), None)
-        if unknown is not None:
-            raise bad_request(f"Token id {unknown} is out of this model's vocabulary (ids 0 to {size - 1}).",
-                              param="tokens", code="invalid_value")
-        text = await _run(lambda: self._prompts.decode(body.tokens), inline=len(body.tokens) <= INLINE_DECODE_IDS)
+        text = await _run(lambda: self._decode(body.tokens), inline=len(body.tokens) <= INLINE_DECODE_IDS)
         GATEWAY_TOKENIZER.labels(op="detokenize").inc()
         return Detokenized(prompt=text)
 
+    def _decode(self, ids: list[int]) -> str:
+        size = self._prompts.vocabulary_size
+        unknown = next((i for i in ids if i >= size), None)
+        if unknown is not None:
+            raise bad_request(f"Token id {unknown} is out of this model's vocabulary (ids 0 to {size - 1}).",
+                              param="tokens", code="invalid_value")
+        return self._prompts.decode(ids)
+
     def _check_model(self, model: str | None, key: ApiKey) -> None:
-        """No model: the one served (as vLLM's server). A named one must be served, and allowed to the key."""
-        if model is None:
+        """No model (null or empty, as vLLM's server reads it): the one served. A named one must be served, and
+        allowed to the key."""
+        if not model:
             return
         if model != self._prompts.card.served_name:
             raise model_not_found(model)

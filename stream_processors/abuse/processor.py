@@ -9,8 +9,10 @@ suspends the key (Cassandra + the Redis cache gateways read).
 
 Guarantee: at least once, and never stalled. A count is written only after its alert and suspension are done, so a
 process that dies in between (Cassandra down, retried until killed) leaves its record to cross the threshold again
-after the restart; alert ids are deterministic and suspension is an idempotent upsert. Safety violations and client
-addresses are kept as distinct request ids and addresses, so counting a record again changes nothing. A request
+after the restart; alert ids are deterministic and suspension is an idempotent upsert. Safety violations are kept as
+distinct request ids, client addresses as distinct addresses, so counting a record again changes nothing (a
+violation's id is looked up in the previous window too: a restart's copy of a record is stamped when it is forwarded
+again, which may be in the next window). A request
 burst or token velocity counted again after a restart reads high by what was processed since the last commit (a
 commit interval's records): at most a FLAG that would not have been raised; a key within its limits is not suspended
 by it (suspension is twice the flag) unless the detector restarts twice within one window (``test_abuse_restarts``).
@@ -174,7 +176,10 @@ def build(settings: Settings) -> faust.App:
             if not verdict.blocked or not verdict.key_id:
                 continue
             blocked = list(violations[verdict.key_id].current())
-            if verdict.request_id in blocked:  # the same request's verdict again (a restart, the safety processor's)
+            # The same request's verdict again (a restart, the safety processor's): a restart's copy is stamped when
+            # it is forwarded again, so it may fall in the next window; the previous window's ids count too.
+            if (verdict.request_id in blocked
+                    or verdict.request_id in violations[verdict.key_id].delta(ab.violations_window_s)):
                 continue
             await alerter.check(Rule.SAFETY_VIOLATIONS, thresholds(Rule.SAFETY_VIOLATIONS, ab), len(blocked),
                                 len(blocked) + 1, key_id=verdict.key_id, org_id=verdict.org_id or "", tier="",

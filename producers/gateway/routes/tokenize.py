@@ -40,7 +40,7 @@ def parse_tokenize(raw: bytes) -> TokenizeChat | TokenizePrompt:
 async def tokenize(request: Request, ctx: Context, key: Caller) -> Tokenized:
     """A prompt's token ids (``prompt``), or a chat's rendered with the model's chat template (``messages``)."""
     raw = await request.body()
-    return await ctx.tokenization.tokenize(key, lambda: parse_tokenize(raw))
+    return await ctx.tokenization.tokenize(key, lambda: parse_tokenize(raw), size=len(raw))
 
 
 @router.post("/detokenize", operation_id="detokenize", openapi_extra=_body(Detokenize), response_model=Detokenized,
@@ -49,4 +49,4 @@ async def tokenize(request: Request, ctx: Context, key: Caller) -> Tokenized:
 async def detokenize(request: Request, ctx: Context, key: Caller) -> Detokenized:
     """The text of token ids, special tokens included."""
     raw = await request.body()
-    return await ctx.tokenization.detokenize(key, lambda: parse_json(raw, Detokenize))
+    return await ctx.tokenization.detokenize(key, lambda: parse_json(raw, Detokenize), size=len(raw))
