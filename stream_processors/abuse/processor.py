@@ -12,17 +12,16 @@ process that dies in between (Cassandra down, retried until killed) leaves its r
 after the restart; alert ids are deterministic and suspension is an idempotent upsert. Safety violations are kept as
 distinct request ids, client addresses as distinct addresses, so counting a record again changes nothing (a
 violation's id is looked up in the previous window too: a restart's copy of a record is stamped when it is forwarded
-again, which may be in the next window). A request
-burst or token velocity counted again after a restart reads high by what was processed since the last commit (a
-commit interval's records): at most a FLAG that would not have been raised; a key within its limits is not suspended
-by it (suspension is twice the flag) unless the detector restarts twice within one window (``test_abuse_restarts``).
-Not Faust's ``exactly_once``: it runs a transaction per *destination* partition and commits one only when a source
-record of that partition is committed, so the records a ``group_by`` forwarded into a partition no source record
-touched stayed invisible to the ``read_committed`` reader, uncounted, until the transaction timed out, was aborted
-(their counts lost) and crashed the processor
+again, which may be in the next window). A request burst or token velocity counted again after a restart reads high by
+what was processed since the last commit (a commit interval's records): at most a FLAG that would not have been
+raised; a key within its limits is not suspended by it (suspension is twice the flag) unless the detector restarts
+twice within one window (``test_abuse_restarts``). Not Faust's ``exactly_once``: it runs a transaction per
+*destination* partition and commits one only when a source record of that partition is committed, so the records a
+``group_by`` forwarded into a partition no source record touched stayed invisible to the ``read_committed`` reader,
+uncounted, until the transaction timed out, was aborted (their counts lost) and crashed the processor
 (``test_a_key_is_counted_when_no_record_of_any_source_shares_its_rekeyed_partition``). Reading uncommitted, the usage
-of worker transactions that were aborted (a failover, a commit retried) counts too: a key's tokens read high by
-the aborted attempts' usage.
+of worker transactions that were aborted (a failover, a commit retried) counts too: a key's tokens read high by the
+aborted attempts' usage.
 """
 
 from __future__ import annotations
