@@ -41,6 +41,10 @@ def engine_args(model: ModelSettings, engine: EngineSettings) -> dict[str, Any]:
         "scheduling_policy": eff.scheduling_policy,
         # One process fewer: the model runs inside the engine-core process (single device).
         "distributed_executor_backend": "uni",
+        # Structured outputs by llguidance, the library the gateway validates schemas with
+        # (producers/gateway/structured.py), so a schema it accepts never fails here; compact JSON, or a small
+        # model pads with whitespace until its max_tokens.
+        "structured_outputs_config": {"backend": "guidance", "disable_any_whitespace": True},
     }
     if eff.kv_cache_memory_bytes:
         args["kv_cache_memory_bytes"] = eff.kv_cache_memory_bytes
@@ -101,8 +105,9 @@ class VllmEngine:
     @staticmethod
     def sampling_params(spec: SamplingSpec) -> Any:
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
+        structured = None if spec.json_schema is None else StructuredOutputsParams(json=spec.json_schema)
         return SamplingParams(
             max_tokens=spec.max_tokens,
             temperature=spec.temperature,
@@ -115,6 +120,8 @@ class VllmEngine:
             repetition_penalty=spec.repetition_penalty,
             presence_penalty=spec.presence_penalty,
             frequency_penalty=spec.frequency_penalty,
+            structured_outputs=structured,
+            logit_bias={int(token): bias for token, bias in spec.logit_bias.items()} or None,
             output_kind=RequestOutputKind.DELTA,
         )
 

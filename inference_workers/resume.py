@@ -4,8 +4,9 @@ Two ways, chosen by the request's sampling:
 
 * **continue** (the default): the prompt plus the tokens already emitted becomes the prompt (one prefill), and
   the engine generates only what is missing. At temperature 0 the text equals an uninterrupted run.
-* **replay** (a ``seed`` at temperature > 0, presence/frequency penalties, which count only generated tokens, or
-  stop strings, whose held-back text the engine would never emit for prompt tokens): the engine generates from
+* **replay** (a ``seed`` at temperature > 0, presence/frequency penalties, which count only generated tokens,
+  stop strings, whose held-back text the engine would never emit for prompt tokens, or a structured output, whose
+  grammar starts at the answer's first token and cannot be entered half-way): the engine generates from
   the original prompt again, and the part the client already has is checked token by token and dropped. A seeded
   sample is reproducible, so the text equals an uninterrupted run; if it ever differs, the stream ends in error
   instead of splicing two samples.
@@ -47,10 +48,12 @@ class Diverged(Exception):
 
 def needs_replay(sampling: SamplingSpec) -> bool:
     """Continuing from the prefix would not give an uninterrupted run's text: a seeded sampler's draws restart,
-    penalties on generated tokens would forget the prefix, and a stop string held back (the engine withholds the
-    text that could begin one) or straddling the failover point would be lost or missed."""
+    penalties on generated tokens would forget the prefix, a stop string held back (the engine withholds the
+    text that could begin one) or straddling the failover point would be lost or missed, and a structured output's
+    grammar would start over inside the answer. (The gateway gives a structured output at temperature > 0 a seed,
+    so that its replay is the same sample.)"""
     return (sampling.temperature > 0 and sampling.seed is not None) or bool(
-        sampling.presence_penalty or sampling.frequency_penalty or sampling.stop)
+        sampling.presence_penalty or sampling.frequency_penalty or sampling.stop or sampling.json_schema)
 
 
 @dataclass(frozen=True)

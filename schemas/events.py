@@ -37,6 +37,11 @@ class SamplingSpec(Event):
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    #: v5: structured output: the JSON schema (as JSON text) every answer validates against; ``{"type": "object"}``
+    #: for JSON mode; None: free text
+    json_schema: str | None = None
+    #: v5: added to the logits of these token ids (decimal strings: Avro map keys), -100 to 100 (OpenAI's)
+    logit_bias: dict[str, float] = Field(default_factory=dict)
 
 
 class ReplyTo(Event):
@@ -64,6 +69,8 @@ class Turn(Event):
     truncation: str = "disabled"
     temperature: float = 1.0
     top_p: float = 1.0
+    #: v5: the Responses API's ``text.format`` as JSON (None: plain text), for a stored response to report
+    text_format: str | None = None
 
 
 class ChatRequest(Event):

@@ -42,7 +42,8 @@ def chaos(
     engine: str = typer.Option("synthetic", help="synthetic (checked token by token) or vllm."),
     temperature: float = typer.Option(0.0, help="Sampling temperature of the load."),
     seed: int | None = typer.Option(None, help="A seed for every request (temperature > 0)."),
-    mixed: bool = typer.Option(False, help="Every other stream greedy (temperature 0, no seed)."),
+    mixed: bool = typer.Option(False, help="Every other stream greedy (temperature 0, no seed); every third a "
+                                            "structured output (a JSON schema)."),
     port_base: int = typer.Option(17500, help="First port of the chaos stack's services."),
     as_json: bool = typer.Option(False, "--json", help="Print every table as JSON (with the file each was saved "
                                  "to) instead of the summary; progress goes to stderr."),

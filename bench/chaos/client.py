@@ -35,6 +35,8 @@ class Stream:
     gateway: int = 0
     temperature: float = 0.0
     seed: int | None = None
+    #: a structured output: the JSON schema its answer is decoded under (None: free text)
+    json_schema: dict[str, Any] | None = None
     #: the conversation it is a turn of (a load with conversations)
     conversation_id: str | None = None
     request_id: str | None = None
@@ -91,12 +93,23 @@ class Stream:
         return data
 
 
+#: a mixed load's structured output: an object whose one string is longer than any chaos answer's max_tokens, so that
+#: it ends with ``length`` as the load's free-text streams do (counted by their request, not re-tokenized: a
+#: grammar's token splits are not always the tokenizer's)
+STORY: dict[str, Any] = {"type": "object", "properties": {"story": {"type": "string", "minLength": 2000}},
+                         "required": ["story"], "additionalProperties": False}
+
+
 def body(stream: Stream, model: str) -> bytes:
     payload: dict[str, Any] = {
         "model": model, "messages": [{"role": "user", "content": stream.prompt}], "max_tokens": stream.max_tokens,
         "temperature": stream.temperature, "stream": True, "stream_options": {"include_usage": True},
-        "ignore_eos": True,
     }
+    if stream.json_schema is None:
+        payload["ignore_eos"] = True
+    else:  # its grammar decides where it ends: STORY's length runs it to max_tokens, as ignore_eos would
+        payload["response_format"] = {"type": "json_schema", "json_schema": {"name": "story",
+                                                                             "schema": stream.json_schema}}
     if stream.seed is not None:
         payload["seed"] = stream.seed
     if stream.conversation_id is not None:
@@ -213,10 +226,13 @@ class Load:
         self.concurrency = concurrency
         #: each stream the first turn of a conversation of its own (created before the load starts)
         self.conversations = conversations
-        # mixed: every other stream greedy (temperature 0, no seed), the others sampled as asked
+        # mixed: every other stream greedy (temperature 0, no seed), the others sampled as asked; every third a
+        # structured output (greedy or sampled by the same rule), which a takeover replays from its prompt
         for stream in self.streams:
             if not (mixed and stream.index % 2 == 0):
                 stream.temperature, stream.seed = temperature, seed
+            if mixed and stream.index % 3 == 2:
+                stream.json_schema = STORY
         self.t0 = time.monotonic()
         #: when the scenario's fault began (Unix seconds): the audit counts the streams it hit mid-generation
         self.fault_at: float | None = None

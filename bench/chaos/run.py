@@ -21,7 +21,7 @@ class LoadShape:
     max_tokens: int = 60
     temperature: float = 0.0
     seed: int | None = None
-    #: every other stream greedy, the others at ``temperature`` with ``seed``
+    #: every other stream greedy, the others at ``temperature`` with ``seed``; every third a structured output
     mixed: bool = False
 
 

@@ -8,6 +8,7 @@ Tokenizing is CPU work: :meth:`PromptBuilder.tokens` runs it in a thread unless 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -128,8 +129,10 @@ class PromptBuilder:
         """Blocking: the text of token ids, special tokens included (as vLLM's ``/detokenize``)."""
         return str(self._tokenizer.decode(ids))
 
-    def sampling(self, request: ChatCompletionRequest, prompt_tokens: int) -> SamplingSpec:
-        """The sampling spec, or a 400 when the prompt and the completion cannot fit the context."""
+    def sampling(self, request: ChatCompletionRequest, prompt_tokens: int, *,
+                 json_schema: str | None = None) -> SamplingSpec:
+        """The sampling spec, or a 400 when the prompt and the completion cannot fit the context or a biased token
+        is not the model's. ``json_schema``: the checked structured output (``structured.SchemaChecker``)."""
         limit = self.card.max_model_len
         if prompt_tokens >= limit:
             raise bad_request(
@@ -152,16 +155,37 @@ class PromptBuilder:
                 f"min_tokens ({request.min_tokens}) must not exceed max_tokens ({max_tokens}).",
                 param="min_tokens", code="invalid_value",
             )
+        temperature = 1.0 if request.temperature is None else request.temperature
         return SamplingSpec(
             max_tokens=max_tokens,
-            temperature=1.0 if request.temperature is None else request.temperature,
+            temperature=temperature,
             top_p=1.0 if request.top_p is None else request.top_p,
             top_k=max(0, request.top_k or 0),
             min_tokens=request.min_tokens,
-            seed=request.seed,
+            seed=replayable_seed(request.seed, temperature, json_schema),
             stop=request.stop_list,
             ignore_eos=request.ignore_eos,
             repetition_penalty=request.repetition_penalty or 1.0,
             presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty,
+            json_schema=json_schema,
+            logit_bias=self._logit_bias(request.logit_bias),
         )
+
+    def _logit_bias(self, biases: dict[str, float] | None) -> dict[str, float]:
+        """A 400 naming a token id the model does not have: the engine would fail the accepted request."""
+        vocabulary = self.vocabulary_size
+        for token in biases or {}:
+            if int(token) >= vocabulary:
+                raise bad_request(f"Invalid key in 'logit_bias': {token}. Token ids must be below the model's "
+                                  f"vocabulary size, {vocabulary}.", param="logit_bias", code="invalid_value")
+        return dict(biases or {})
+
+
+def replayable_seed(seed: int | None, temperature: float, json_schema: str | None) -> int | None:
+    """A structured output is taken over by replaying it from its prompt (its grammar cannot be entered half-way,
+    ``inference_workers/resume.py``): a sample is replayed exactly only with its seed, so one without gets a random
+    one here, kept in the request for every attempt."""
+    if json_schema is None or temperature == 0 or seed is not None:
+        return seed
+    return secrets.randbits(63)

@@ -68,11 +68,9 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "function_call": Unsupported((None, "none")),
     # meaningless without tools, and the only tool list accepted is empty
     "parallel_tool_calls": Unsupported((None, True, False)),
-    # output shape: JSON mode, structured outputs and log-probabilities would come back as plain text
-    "response_format": Unsupported((None, {"type": "text"})),
+    # output shape: log-probabilities would come back as plain text
     "logprobs": Unsupported((None, False)),
     "top_logprobs": Unsupported((None, 0)),
-    "logit_bias": Unsupported((None, {})),
     "modalities": Unsupported((None, ["text"])),
     "audio": Unsupported(),
     "prediction": Unsupported(),
@@ -182,6 +180,48 @@ class StreamOptions(BaseModel):
         return refuse_unsupported(data, UNSUPPORTED_STREAM_OPTIONS)
 
 
+#: a structured output's name, as OpenAI bounds it
+SCHEMA_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+MAX_SCHEMA_DESCRIPTION_CHARS = 1024
+
+
+class JsonSchemaSpec(BaseModel):
+    """A structured output's schema, as chat's ``response_format.json_schema`` and the Responses API's
+    ``text.format`` (flattened there) name it. ``strict`` is accepted either way: every answer validates against the
+    schema whatever it says (the engine decodes under the schema's grammar)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+    name: Annotated[str, Field(pattern=SCHEMA_NAME)]
+    description: Annotated[str, Field(max_length=MAX_SCHEMA_DESCRIPTION_CHARS)] | None = None
+    # "schema" would shadow BaseModel.schema()
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """Chat's ``response_format``: free text, JSON mode (any JSON object) or a JSON schema."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise PydanticCustomError(
+                "invalid_value", "json_schema is required with type 'json_schema', and only allowed with it.",
+                {"param": "json_schema", "code": "invalid_value"})
+        return self
+
+
+#: OpenAI's bound on logit_bias: token ids as decimal strings, each biased by -100 to 100
+MAX_LOGIT_BIAS_TOKENS = 300
+TokenIdKey = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$")]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+
+
 #: Bounds of the event schema's Avro int and long (``schemas/avro/chat_request``).
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -282,6 +322,9 @@ class ChatCompletionRequest(BaseModel):
     # stored completions (GET /v1/chat/completions/{id}, its messages, list, delete), as OpenAI's
     store: bool | None = None
     metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)] | None = None
+    # structured outputs (JSON mode, a JSON schema) and token biases, decoded by the engine
+    response_format: ResponseFormat | None = None
+    logit_bias: Annotated[dict[TokenIdKey, Bias], Field(max_length=MAX_LOGIT_BIAS_TOKENS)] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -307,6 +350,17 @@ class ChatCompletionRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def output_schema(self) -> tuple[dict[str, Any], str, str | None] | None:
+        """The JSON schema answers must validate against, its parameter's path and its name; None: free text."""
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.json_schema is None:  # json_object
+            return {"type": "object"}, "response_format", None
+        # a json_schema without a schema asks for any JSON value, as OpenAI reads it
+        return fmt.json_schema.json_schema or {}, "response_format.json_schema.schema", fmt.json_schema.name
 
 
 class AssistantMessage(BaseModel):
@@ -409,12 +463,13 @@ def request_size_bound(request: ChatRequest, extra: str = "") -> int:
     UTF-8 bytes, a varint of at most 5 bytes per token id, 32 bytes of framing per message and stop string, 2 KiB for
     the fields of fixed size) plus the stream record's payload ``extra``. Cheap (no encoding): ~2 µs a request."""
     texts = [request.user or "", request.client_addr or "", request.conversation_id or "", *request.sampling.stop,
-             *request.metadata, *request.metadata.values(), extra]
+             *request.metadata, *request.metadata.values(), request.sampling.json_schema or "", extra]
     if request.turn is not None:
-        texts += [request.turn.instructions or "", request.turn.previous_response_id or ""]
+        texts += [request.turn.instructions or "", request.turn.previous_response_id or "",
+                  request.turn.text_format or ""]
     messages = sum(len(m.content.encode()) + len(m.role) + len((m.name or "").encode()) + 32 for m in request.messages)
     return (messages + sum(len(t.encode()) for t in texts) + 32 * len(request.sampling.stop)
-            + 5 * len(request.prompt_token_ids) + 2048)
+            + 5 * len(request.prompt_token_ids) + 24 * len(request.sampling.logit_bias) + 2048)
 
 
 def check_request_size(request: ChatRequest, extra: str = "") -> None:

@@ -21,10 +21,12 @@ from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
 
+import orjson
+
 from producers.gateway.admission import Ticket
 from producers.gateway.errors import ApiError, unavailable
 from producers.gateway.pending_writes import PendingWrites
-from producers.gateway.prompt import PromptBuilder
+from producers.gateway.prompt import PromptBuilder, replayable_seed
 from producers.gateway.publisher import EventPublisher
 from producers.gateway.responses_protocol import (
     ResponseCreate,
@@ -84,14 +86,17 @@ class ResponsesService:
     async def _create(self, body: ResponseCreate, key: ApiKey, *, client_addr: str | None, traceparent: str,
                       received_at: float) -> tuple[Accepted, ResponseView]:
         response_id = new_response_id()
+        json_schema = await self._chat.output_schema(body.output_schema)
+        text_format = body.text_format.echo() if body.text_format is not None else None
         planned = await self._turns.plan(TurnAsk(
             api="responses", org_id=key.org_id, new_input=body.input_messages(),
             conversation_id=body.conversation_id, previous_response_id=body.previous_response_id,
             instructions=body.instructions, max_output_tokens=body.max_output_tokens,
             truncation=body.truncation or "disabled", store=body.store, background=body.background))
-        sampling = self._sampling(body, len(planned.prompt_ids))
-        turn = planned.turn.model_copy(update={"truncation": body.truncation or "disabled",
-                                               "temperature": sampling.temperature, "top_p": sampling.top_p})
+        sampling = self._sampling(body, len(planned.prompt_ids), json_schema)
+        turn = planned.turn.model_copy(update={
+            "truncation": body.truncation or "disabled", "temperature": sampling.temperature, "top_p": sampling.top_p,
+            "text_format": None if text_format is None else orjson.dumps(text_format).decode()})
         request = self._chat.new_request(
             response_id, key, body.model, planned.messages, planned.prompt_ids, sampling, stream=body.stream,
             conversation_id=body.conversation_id, user=body.user, client_addr=client_addr,
@@ -102,21 +107,22 @@ class ResponsesService:
             conversation_id=body.conversation_id, background=body.background, store=body.store,
             max_output_tokens=body.max_output_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
             truncation=turn.truncation, truncated_items=turn.truncated_items,
-            metadata=body.metadata or {}, user=body.user)
+            metadata=body.metadata or {}, user=body.user, text_format=text_format)
         accepted = await self._chat.submit(request, key, traceparent=traceparent, received_at=received_at,
                                            extra=view.to_json())
         if body.conversation_id is not None:
             self._chat.spawn(self._turns.started(request))
         return accepted, view
 
-    def _sampling(self, body: ResponseCreate, prompt_tokens: int) -> SamplingSpec:
+    def _sampling(self, body: ResponseCreate, prompt_tokens: int, json_schema: str | None) -> SamplingSpec:
         limit = self._prompts.card.max_model_len
         wanted = body.max_output_tokens
         if prompt_tokens >= limit or (wanted is not None and prompt_tokens + wanted > limit):
             raise context_exceeded(limit, prompt_tokens, wanted or 0)
+        temperature = 1.0 if body.temperature is None else body.temperature
         return SamplingSpec(max_tokens=wanted if wanted is not None else limit - prompt_tokens,
-                            temperature=1.0 if body.temperature is None else body.temperature,
-                            top_p=1.0 if body.top_p is None else body.top_p)
+                            temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p,
+                            seed=replayable_seed(None, temperature, json_schema), json_schema=json_schema)
 
     def queued(self, accepted: Accepted, view: ResponseView) -> dict[str, Any]:
         """A background response's create answers at once; the generation goes on without this connection."""
@@ -324,7 +330,8 @@ def stored_body(stored: StoredResponse) -> dict[str, Any]:
         background=stored.background, store=True, max_output_tokens=stored.max_output_tokens,
         temperature=stored.temperature, top_p=stored.top_p,
         truncation=stored.truncation, truncated_items=stored.truncated_items,
-        metadata=dict(stored.metadata), user=stored.user)
+        metadata=dict(stored.metadata), user=stored.user,
+        text_format=None if stored.text_format is None else orjson.loads(stored.text_format))
     answered = stored.status in ("completed", "incomplete")
     output = [message_item(view.output_item_id, stored.output_text, stored.status)] if answered else []
     error = {"code": "server_error", "message": stored.error} if stored.status == "failed" else None

@@ -20,7 +20,9 @@ from pydantic_core import PydanticCustomError
 from producers.gateway.protocol import (
     INTEGRAL,
     MAX_MODEL_CHARS,
+    MAX_SCHEMA_DESCRIPTION_CHARS,
     MAX_USER_CHARS,
+    SCHEMA_NAME,
     MetadataKey,
     MetadataValue,
     Unsupported,
@@ -37,7 +39,6 @@ UNSUPPORTED_RESPONSES: dict[str, Unsupported] = {
     "tool_choice": Unsupported((None, "none", "auto")),
     "parallel_tool_calls": Unsupported((None, True, False)),
     "max_tool_calls": Unsupported(),
-    "text": Unsupported((None, {"format": {"type": "text"}})),
     "reasoning": Unsupported((None, {}, {"effort": None})),
     "include": Unsupported((None, [])),
     "top_logprobs": Unsupported((None, 0)),
@@ -110,6 +111,56 @@ class ConversationRef(BaseModel):
 Metadata = Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)]
 
 
+class TextFormat(BaseModel):
+    """The Responses API's ``text.format``: free text, JSON mode or a JSON schema (its fields flattened here, in
+    chat's ``response_format.json_schema``). ``strict`` is accepted either way: answers always validate."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: Annotated[str, Field(pattern=SCHEMA_NAME)] | None = None
+    description: Annotated[str, Field(max_length=MAX_SCHEMA_DESCRIPTION_CHARS)] | None = None
+    # "schema" would shadow BaseModel.schema()
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _fields_of_its_type(self) -> TextFormat:
+        if self.type == "json_schema":
+            for wanted in ("name", "json_schema"):
+                if getattr(self, wanted) is None:
+                    param = "schema" if wanted == "json_schema" else wanted
+                    raise PydanticCustomError("missing_required_parameter",
+                                              f"Missing required parameter: 'text.format.{param}'.",
+                                              {"param": param, "code": "missing_required_parameter"})
+        elif self.model_fields_set - {"type"}:
+            raise PydanticCustomError(
+                "invalid_value", f"A text format of type '{self.type}' takes no other field.",
+                {"param": sorted(self.model_fields_set - {"type"})[0].replace("json_schema", "schema"),
+                 "code": "invalid_value"})
+        return self
+
+    def echo(self) -> dict[str, Any]:
+        """As a response object repeats it."""
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+#: ``text`` fields not implemented: SmolLM2 has one verbosity, its own
+UNSUPPORTED_TEXT: dict[str, Unsupported] = {"verbosity": Unsupported((None, "medium"))}
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid",
+                              json_schema_extra=lambda schema: declare_unsupported(schema, UNSUPPORTED_TEXT))
+
+    format: TextFormat | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        return refuse_unsupported(data, UNSUPPORTED_TEXT)
+
+
 def _declare_response_rules(schema: dict[str, Any]) -> None:
     """The unsupported parameters, and the rules between fields: a background response is stored, and a
     conversation keeps its own history (no ``previous_response_id`` beside it)."""
@@ -139,6 +190,7 @@ class ResponseCreate(BaseModel):
     truncation: Literal["auto", "disabled"] | None = None
     metadata: Metadata | None = None
     user: Annotated[str, Field(max_length=MAX_USER_CHARS)] | None = None
+    text: TextConfig | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -161,6 +213,22 @@ class ResponseCreate(BaseModel):
         if isinstance(self.conversation, ConversationRef):
             return self.conversation.id
         return self.conversation
+
+    @property
+    def text_format(self) -> TextFormat | None:
+        """A structured output's format; None: plain text."""
+        fmt = self.text.format if self.text is not None else None
+        return None if fmt is None or fmt.type == "text" else fmt
+
+    @property
+    def output_schema(self) -> tuple[dict[str, Any], str, str | None] | None:
+        """As chat's: the JSON schema answers must validate against, its parameter's path and its name."""
+        fmt = self.text_format
+        if fmt is None:
+            return None
+        if fmt.type == "json_object":
+            return {"type": "object"}, "text.format", None
+        return fmt.json_schema or {}, "text.format.schema", fmt.name
 
     def input_messages(self) -> list[ChatMessage]:
         if isinstance(self.input, str):
@@ -205,6 +273,8 @@ class ResponseView:
     truncated_items: int = 0
     metadata: dict[str, str] = field(default_factory=dict)
     user: str | None = None
+    #: ``text.format`` as the request gave it (None: plain text)
+    text_format: dict[str, Any] | None = None
 
     def to_json(self) -> str:
         return orjson.dumps(asdict(self)).decode()
@@ -243,7 +313,8 @@ def response_object(view: ResponseView, status: str, *, output: list[dict[str, A
         "output": output or [], "parallel_tool_calls": False, "previous_response_id": view.previous_response_id,
         "conversation": {"id": view.conversation_id} if view.conversation_id else None,
         "reasoning": {"effort": None, "summary": None}, "store": view.store, "temperature": view.temperature,
-        "text": {"format": {"type": "text"}}, "tool_choice": "none", "tools": [], "top_p": view.top_p,
+        "text": {"format": view.text_format or {"type": "text"}}, "tool_choice": "none", "tools": [],
+        "top_p": view.top_p,
         "truncation": view.truncation, "truncated_items": view.truncated_items, "usage": usage,
         "user": view.user, "metadata": view.metadata,
     }

@@ -50,6 +50,7 @@ from producers.gateway.pending_writes import PendingWrites
 from producers.gateway.prompt import PromptBuilder, to_event_messages
 from producers.gateway.protocol import ChatCompletionRequest, check_request_size, usage_dict
 from producers.gateway.publisher import EventPublisher
+from producers.gateway.structured import SchemaChecker
 from producers.gateway.turns import TurnAsk, TurnPlanner
 from producers.relay.collector import Delta, StreamCollector
 from producers.relay.demux import Relay
@@ -172,6 +173,7 @@ class ChatService:
         self._pending = pending
         self._early = early or EarlyRefusals(TierTable.model_validate(dict(self._tiers)),
                                              on_refused=admission.note_refused)
+        self._schemas = SchemaChecker()
         self._background: set[asyncio.Task[None]] = set()
         #: the streams being answered (handed over when the gateway stops)
         self._open: dict[str, Accepted] = {}
@@ -208,6 +210,7 @@ class ChatService:
         received_at = time.perf_counter()
         self.check_model(body.model, key)
         with self.preparing(key):  # a throttled key buys no rendering, no history read, no turn wait
+            json_schema = await self.output_schema(body.output_schema)
             messages = to_event_messages(body)
             turn: Turn | None = None
             if body.conversation_id is not None:
@@ -219,7 +222,7 @@ class ChatService:
                 messages, prompt_ids, turn = planned.messages, planned.prompt_ids, planned.turn
             else:
                 prompt_ids = await self._prompts.tokens(messages)
-            sampling = self._prompts.sampling(body, len(prompt_ids))
+            sampling = self._prompts.sampling(body, len(prompt_ids), json_schema=json_schema)
             request = self.new_request(
                 f"chatcmpl-{uuid.uuid4().hex}", key, body.model, messages, prompt_ids, sampling,
                 stream=body.stream, conversation_id=body.conversation_id, user=body.user, client_addr=client_addr,
@@ -229,6 +232,13 @@ class ChatService:
         if turn is not None and self._turns is not None:
             self._spawn(self._turns.started(request))
         return accepted
+
+    async def output_schema(self, wanted: tuple[dict[str, Any], str, str | None] | None) -> str | None:
+        """The checked JSON schema of a structured output (its schema, parameter and name), or a 400 naming it."""
+        if wanted is None:
+            return None
+        schema, param, name = wanted
+        return await self._schemas.check(schema, param=param, name=name)
 
     async def submit(self, request: ChatRequest, key: ApiKey, *, traceparent: str, received_at: float,
                      include_usage: bool = False, extra: str = "") -> Accepted:

@@ -25,7 +25,7 @@ RETENTION_S = 30 * 24 * 3600
 _COLUMNS = ("response_id", "org_id", "key_id", "user_id", "model", "created_at", "status", "input_items",
             "output_text", "prompt_tokens", "completion_tokens", "cached_tokens", "conversation_id",
             "previous_response_id", "instructions", "error", "incomplete_reason", "truncated_items", "metadata",
-            "max_output_tokens", "temperature", "top_p", "background", "completed_at", "truncation")
+            "max_output_tokens", "temperature", "top_p", "background", "completed_at", "truncation", "text_format")
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,8 @@ class StoredResponse:
     background: bool = False
     completed_at: datetime | None = None
     truncation: str = "disabled"
+    #: the request's ``text.format`` as JSON (None: plain text)
+    text_format: str | None = None
 
 
 class ResponseStore:
@@ -107,7 +109,7 @@ def _params(r: StoredResponse) -> list[Any]:
             orjson.dumps(r.input_items).decode(), r.output_text, r.prompt_tokens, r.completion_tokens,
             r.cached_tokens, r.conversation_id, r.previous_response_id, r.instructions, r.error, r.incomplete_reason,
             r.truncated_items, r.metadata, r.max_output_tokens, r.temperature, r.top_p, r.background, r.completed_at,
-            r.truncation]
+            r.truncation, r.text_format]
 
 
 def _response(row: dict[str, Any]) -> StoredResponse:
@@ -123,4 +125,4 @@ def _response(row: dict[str, Any]) -> StoredResponse:
         metadata=dict(row["metadata"] or {}), max_output_tokens=row["max_output_tokens"],
         temperature=row["temperature"], top_p=row["top_p"], background=bool(row["background"]),
         completed_at=None if completed_at is None else completed_at.replace(tzinfo=UTC),
-        truncation=row["truncation"] or "disabled")
+        truncation=row["truncation"] or "disabled", text_format=row["text_format"])

@@ -61,4 +61,4 @@ def response_of(stored: StoredCompletion) -> StoredResponse | None:
         previous_response_id=turn.previous_response_id, instructions=turn.instructions, error=stored.error,
         incomplete_reason=reason, truncated_items=turn.truncated_items, metadata=dict(stored.metadata),
         max_output_tokens=turn.max_output_tokens, background=turn.background, temperature=turn.temperature,
-        top_p=turn.top_p, truncation=turn.truncation, completed_at=utcnow())
+        top_p=turn.top_p, truncation=turn.truncation, completed_at=utcnow(), text_format=turn.text_format)

@@ -42,10 +42,16 @@ CASES = [
     ("temperature out of range", body(temperature=-1), 400, "temperature", "invalid_value"),
     ("oversize body", body(messages=[{"role": "user", "content": "x" * 2_000_000}]), 413, None, "request_too_large"),
     # an OpenAI parameter we do not implement is refused, never ignored (JSON mode would come back as free text)
-    ("JSON mode", body(response_format={"type": "json_object"}), 400, "response_format", "unsupported_parameter"),
+    # a structured output the engine could not decode under, or a token the model lacks: refused before Kafka
+    ("schema the engine cannot decode", body(response_format={"type": "json_schema", "json_schema": {
+        "name": "tags", "schema": {"type": "array", "uniqueItems": True}}}), 400, "response_format.json_schema.schema",
+     "invalid_json_schema"),
+    ("json_schema without its schema", body(response_format={"type": "json_schema"}), 400,
+     "response_format.json_schema", "invalid_value"),
+    ("logit_bias of a token the model lacks", body(logit_bias={"999999": 5}), 400, "logit_bias", "invalid_value"),
+    ("logit_bias out of range", body(logit_bias={"1": 500}), 400, "logit_bias.1", "invalid_value"),
     ("tools", body(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", "unsupported_parameter"),
     ("logprobs", body(logprobs=True), 400, "logprobs", "unsupported_parameter"),
-    ("logit_bias", body(logit_bias={"1": 5}), 400, "logit_bias", "unsupported_parameter"),
     ("unrecognized argument", body(frobnicate=True), 400, "frobnicate", "unknown_parameter"),
     # the engine refuses an empty stop string: before this was checked, after the request was accepted (a 502)
     ("empty stop string", body(stop=[""]), 400, "stop[0]", "invalid_value"),

@@ -21,7 +21,7 @@ async def _three_tokens(messages: object) -> list[int]:
 
 #: a PromptBuilder for model "m": every prompt is 3 tokens, every request asks for 8
 PROMPTS = SimpleNamespace(card=SimpleNamespace(served_name="m"), render=lambda messages: [1, 2, 3],
-                          tokens=_three_tokens, sampling=lambda body, n: SamplingSpec(max_tokens=8))
+                          tokens=_three_tokens, sampling=lambda body, n, **_: SamplingSpec(max_tokens=8))
 
 
 class Clock:

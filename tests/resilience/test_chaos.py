@@ -85,18 +85,21 @@ async def test_roll_the_gateways(stack: Settings) -> None:
 
 
 @pytest.mark.timeout(900)  # two vLLM workers start, and the real model answers every stream twice
-async def test_kill_a_vllm_worker_greedy_and_seeded_streams_continue_exactly(stack: Settings) -> None:
-    """Issue 10 with the real model: every other stream greedy, the others at temperature 0.9 with a seed; a worker
-    is SIGKILLed mid-generation and each stream's text equals the same request's fault-free run (the reference
-    pass): greedy streams continue from the prompt plus what was emitted (one prefill), seeded ones are replayed
-    and checked. Billed exactly what each client received, counted on the client's side (its text tokenized with
+async def test_kill_a_vllm_worker_greedy_seeded_and_structured_streams_continue_exactly(stack: Settings) -> None:
+    """Issue 10 with the real model: every other stream greedy, the others at temperature 0.9 with a seed, and every
+    third a structured output (issue 39: a JSON schema, greedy or seeded); a worker is SIGKILLed mid-generation and
+    each stream's text equals the same request's fault-free run (the reference pass): greedy free-text streams
+    continue from the prompt plus what was emitted (one prefill), seeded and structured ones are replayed and
+    checked. Billed exactly what each client received, counted on the client's side (its text tokenized with
     the model's tokenizer), never from the worker's usage chunk."""
     shape = LoadShape(requests=8, concurrency=8, max_tokens=40, temperature=0.9, seed=11, mixed=True)
-    table, _streams, _context = await run_scenario(stack, SCENARIOS["kill-worker"], shape, engine="vllm",
+    table, streams, _context = await run_scenario(stack, SCENARIOS["kill-worker"], shape, engine="vllm",
                                                    port_base=PORT_BASE + 600)
     assert table.goals_met, (table.missed, table.as_json())
     assert table.streams_audited == table.sent
     assert table.completed == table.sent and table.spliced_streams == 0 and table.taken_over > 0
+    structured = [s for s in streams if s.json_schema is not None]
+    assert structured and all(s.text.startswith('{"story":"') for s in structured), [s.text for s in structured]
 
 
 async def test_kill_the_conversation_writer(stack: Settings) -> None:

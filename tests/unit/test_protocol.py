@@ -97,10 +97,8 @@ REAL_USES: dict[str, Any] = {
     "tool_choice": "auto",
     "functions": [{"name": "get_weather"}],
     "function_call": "auto",
-    "response_format": {"type": "json_object"},
     "logprobs": True,
     "top_logprobs": 3,
-    "logit_bias": {"50256": -100},
     "modalities": ["text", "audio"],
     "audio": {"voice": "alloy", "format": "wav"},
     "prediction": {"type": "content", "content": "x"},
@@ -132,7 +130,6 @@ def test_no_op_values_of_unsupported_parameters_are_accepted(name: str, no_op: A
 
 @pytest.mark.parametrize(("name", "value"), [
     ("logprobs", 0),  # JSON's false is not 0
-    ("response_format", {"type": "text", "json_schema": {}}),
     ("tools", [{}]),
     ("tool_choice", "required"),
     ("modalities", ["audio"]),
@@ -140,11 +137,6 @@ def test_no_op_values_of_unsupported_parameters_are_accepted(name: str, no_op: A
 ])
 def test_values_near_a_no_op_are_refused(name: str, value: Any) -> None:
     assert error_of(with_fields(**{name: value})).param == name
-
-
-def test_the_issues_json_mode_client_gets_an_error_not_free_text() -> None:
-    err = error_of(with_fields(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}))
-    assert (err.status, err.param, err.code) == (400, "response_format", "unsupported_parameter")
 
 
 @pytest.mark.parametrize("name", ["foo", "min_p", "best_of", "echo", "guided_json", "prompt"])

@@ -42,7 +42,7 @@ class Prompts:
             await self.hold.wait()
         return [1, 2, 3]
 
-    def sampling(self, body: object, n: int) -> SamplingSpec:
+    def sampling(self, body: object, n: int, **_: object) -> SamplingSpec:
         return SamplingSpec(max_tokens=8)
 
 

@@ -1,0 +1,91 @@
+"""Structured outputs: the JSON schema every answer of a request must validate against (chat's ``response_format``,
+the Responses API's ``text.format``), checked before anything is admitted or queued.
+
+The worker's engine decodes under the schema's grammar with llguidance (vLLM's ``guidance`` backend,
+``inference_workers/engine.py``). The gateway asks the same library whether it can build that grammar, so a schema
+accepted here never fails a generation, and one it cannot build is a 400 naming the parameter, with llguidance's
+reason. Clients send the same schema with every request: verdicts are remembered by the schema's text. A large
+schema is checked off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from typing import Any
+
+import orjson
+from llguidance import LLMatcher
+
+from producers.gateway.errors import bad_request
+
+#: JSON mode (``json_object``): any JSON object, as OpenAI's
+JSON_OBJECT_SCHEMA = '{"type":"object"}'
+#: a schema's JSON text at most (OpenAI bounds a schema's names and values at 120,000 characters in all)
+MAX_SCHEMA_BYTES = 128 * 1024
+#: objects and arrays nested at most this deep (vLLM's bound: building a grammar grows steeply with nesting)
+MAX_NESTING = 64
+#: schemas up to this size are checked on the event loop (a few tens of µs); larger ones in a thread
+INLINE_CHECK_BYTES = 4096
+#: verdicts remembered (the least recently used forgotten first)
+REMEMBERED_VERDICTS = 1024
+
+
+class SchemaChecker:
+    """Whether the engine can decode under a JSON schema; remembers its verdicts."""
+
+    def __init__(self, remembered: int = REMEMBERED_VERDICTS) -> None:
+        self._remembered = remembered
+        #: schema text -> "" (usable) or why not
+        self._verdicts: OrderedDict[str, str] = OrderedDict()
+
+    async def check(self, schema: dict[str, Any], *, param: str, name: str | None = None) -> str:
+        """The schema as the JSON text the worker decodes with, or a 400 naming ``param``."""
+        if _nesting_exceeds(schema, MAX_NESTING):
+            raise invalid_schema(param, name, f"objects and arrays may nest at most {MAX_NESTING} levels")
+        text = orjson.dumps(schema).decode()
+        if len(text) > MAX_SCHEMA_BYTES:
+            raise invalid_schema(param, name, f"it is {len(text)} bytes long, and at most {MAX_SCHEMA_BYTES} are "
+                                              "accepted")
+        why = self._verdicts.get(text)
+        if why is None:
+            why = grammar_error(text) if len(text) <= INLINE_CHECK_BYTES else await asyncio.to_thread(
+                grammar_error, text)
+            self._remember(text, why)
+        else:
+            self._verdicts.move_to_end(text)
+        if why:
+            raise invalid_schema(param, name, why)
+        return text
+
+    def _remember(self, text: str, why: str) -> None:
+        self._verdicts[text] = why
+        while len(self._verdicts) > self._remembered:
+            self._verdicts.popitem(last=False)
+
+
+def grammar_error(schema_text: str) -> str:
+    """Blocking: "" when llguidance builds a grammar from the schema (compact JSON, as the worker decodes), else
+    why not."""
+    try:
+        grammar = LLMatcher.grammar_from_json_schema(schema_text, defaults={"whitespace_flexible": False})
+    except (ValueError, TypeError) as exc:
+        return str(exc)
+    return str(LLMatcher.validate_grammar(grammar, None))
+
+
+def _nesting_exceeds(node: Any, limit: int) -> bool:
+    """Whether objects and arrays nest deeper than ``limit`` (walked a level at a time, never recursively)."""
+    level = [node]
+    for _ in range(limit):
+        level = [child for parent in level if isinstance(parent, dict | list)
+                 for child in (parent.values() if isinstance(parent, dict) else parent)]
+        if not level:
+            return False
+    return any(isinstance(child, dict | list) for child in level)
+
+
+def invalid_schema(param: str, name: str | None, why: str) -> Exception:
+    which = f" '{name}'" if name else ""
+    return bad_request(f"Invalid schema for {param.split('.')[0]}{which}: {why.strip()}", param=param,
+                       code="invalid_json_schema")
