@@ -199,10 +199,17 @@ class JsonSchemaSpec(BaseModel):
     strict: bool | None = None
 
 
+def _declare_format_rule(schema: dict[str, Any]) -> None:
+    """What JSON Schema can say of :class:`ResponseFormat`'s rule between its fields."""
+    schema["if"] = {"properties": {"type": {"const": "json_schema"}}, "required": ["type"]}
+    schema["then"] = {"required": ["json_schema"], "properties": {"json_schema": {"type": "object"}}}
+    schema["else"] = {"properties": {"json_schema": {"type": "null"}}}
+
+
 class ResponseFormat(BaseModel):
     """Chat's ``response_format``: free text, JSON mode (any JSON object) or a JSON schema."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=_declare_format_rule)
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaSpec | None = None
@@ -211,15 +218,20 @@ class ResponseFormat(BaseModel):
     def _schema_with_its_type(self) -> ResponseFormat:
         if (self.type == "json_schema") != (self.json_schema is not None):
             raise PydanticCustomError(
-                "invalid_value", "json_schema is required with type 'json_schema', and only allowed with it.",
+                "invalid_value", "A json_schema object is required with type json_schema, and allowed with no other.",
                 {"param": "json_schema", "code": "invalid_value"})
         return self
 
 
 #: OpenAI's bound on logit_bias: token ids as decimal strings, each biased by -100 to 100
 MAX_LOGIT_BIAS_TOKENS = 300
-TokenIdKey = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$")]
+TOKEN_ID_PATTERN = r"^(0|[1-9][0-9]{0,9})$"
+TokenIdKey = Annotated[str, Field(pattern=TOKEN_ID_PATTERN)]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+#: pydantic's own schema of the dict leaves its keys' pattern out
+LOGIT_BIAS_SCHEMA = {"type": "object", "propertyNames": {"pattern": TOKEN_ID_PATTERN},
+                     "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                     "maxProperties": MAX_LOGIT_BIAS_TOKENS}
 
 
 #: Bounds of the event schema's Avro int and long (``schemas/avro/chat_request``).
@@ -324,7 +336,8 @@ class ChatCompletionRequest(BaseModel):
     metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)] | None = None
     # structured outputs (JSON mode, a JSON schema) and token biases, decoded by the engine
     response_format: ResponseFormat | None = None
-    logit_bias: Annotated[dict[TokenIdKey, Bias], Field(max_length=MAX_LOGIT_BIAS_TOKENS)] | None = None
+    logit_bias: Annotated[dict[TokenIdKey, Bias], Field(max_length=MAX_LOGIT_BIAS_TOKENS),
+                          WithJsonSchema(LOGIT_BIAS_SCHEMA)] | None = None
 
     @model_validator(mode="before")
     @classmethod

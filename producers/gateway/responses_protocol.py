@@ -111,11 +111,24 @@ class ConversationRef(BaseModel):
 Metadata = Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)]
 
 
+#: the fields of a ``json_schema`` text format, which no other type takes
+SCHEMA_FIELDS = ("name", "description", "schema", "strict")
+
+
+def _declare_text_format_rule(schema: dict[str, Any]) -> None:
+    """What JSON Schema can say of :class:`TextFormat`'s rule between its fields."""
+    schema["if"] = {"properties": {"type": {"const": "json_schema"}}, "required": ["type"]}
+    schema["then"] = {"required": ["name", "schema"], "properties": {"name": {"type": "string"},
+                                                                      "schema": {"type": "object"}}}
+    schema["else"] = {"not": {"anyOf": [{"required": [name]} for name in SCHEMA_FIELDS]}}
+
+
 class TextFormat(BaseModel):
     """The Responses API's ``text.format``: free text, JSON mode or a JSON schema (its fields flattened here, in
     chat's ``response_format.json_schema``). ``strict`` is accepted either way: answers always validate."""
 
-    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True,
+                              json_schema_extra=_declare_text_format_rule)
 
     type: Literal["text", "json_object", "json_schema"]
     name: Annotated[str, Field(pattern=SCHEMA_NAME)] | None = None

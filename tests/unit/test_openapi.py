@@ -172,6 +172,16 @@ BODIES: list[dict[str, Any]] = [
     {**OK, "user": "u" * 257},
     {**OK, "messages": [{"role": "user", "content": "a", "name": "n" * 65}]},
     {**OK, "stop": ["s" * 257]},
+    # structured outputs: the rule between a format's type and its schema (schemathesis found it undeclared)
+    {**OK, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+    {**OK, "response_format": {"type": "json_schema"}},
+    {**OK, "response_format": {"type": "json_schema", "json_schema": None}},
+    {**OK, "response_format": {"type": "text", "json_schema": {"name": "x"}}},
+    {**OK, "response_format": {"type": "text", "json_schema": None}},
+    {**OK, "response_format": {"type": "json_object"}},
+    {**OK, "logit_bias": {"7": 100}},
+    {**OK, "logit_bias": {"7": 101}},
+    {**OK, "logit_bias": {"x": 1}},
 ]
 
 
@@ -193,6 +203,13 @@ RESPONSE_BODIES: list[dict[str, Any]] = [
     {**RESPONSE_OK, "conversation": None, "previous_response_id": "resp_1"},
     {**RESPONSE_OK, "conversation": {"id": "conv_1"}},
     {**RESPONSE_OK, "tools": []},
+    {**RESPONSE_OK, "text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}},
+    {**RESPONSE_OK, "text": {"format": {"type": "json_schema", "name": "x"}}},
+    {**RESPONSE_OK, "text": {"format": {"type": "json_schema", "schema": {}}}},
+    {**RESPONSE_OK, "text": {"format": {"type": "text", "description": ""}}},
+    {**RESPONSE_OK, "text": {"format": {"type": "json_object", "strict": None}}},
+    {**RESPONSE_OK, "text": {"format": {"type": "json_object"}}},
+    {**RESPONSE_OK, "text": {"verbosity": "high"}},
     {**RESPONSE_OK, "tools": [{"type": "web_search"}]},
     {**RESPONSE_OK, "input": [ITEM]},
     {**RESPONSE_OK, "input": [{**ITEM, "content": [{"type": "input_image", "image_url": "x"}]}]},
