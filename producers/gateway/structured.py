@@ -4,14 +4,16 @@ the Responses API's ``text.format``), checked before anything is admitted or que
 The worker's engine decodes under the schema's grammar with llguidance (vLLM's ``guidance`` backend,
 ``inference_workers/engine.py``). The gateway asks the same library whether it can build that grammar, so a schema
 accepted here never fails a generation, and one it cannot build is a 400 naming the parameter, with llguidance's
-reason. Clients send the same schema with every request: verdicts are remembered by the schema's text. A large
-schema is checked off the event loop.
+reason. Clients send the same schema with every request: verdicts are remembered by the schema's text. Building
+a grammar can take a second even for a schema of a few hundred bytes (``allOf`` over ``anyOf``), so every new schema
+is checked in a thread of its own, off the event loop and away from the threads tokenizing prompts.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import orjson
@@ -25,8 +27,10 @@ JSON_OBJECT_SCHEMA = '{"type":"object"}'
 MAX_SCHEMA_BYTES = 128 * 1024
 #: objects and arrays nested at most this deep (vLLM's bound: building a grammar grows steeply with nesting)
 MAX_NESTING = 64
-#: schemas up to this size are checked on the event loop (a few tens of µs); larger ones in a thread
-INLINE_CHECK_BYTES = 4096
+#: the ``minItems`` and ``maxItems`` of a schema add up to at most this: llguidance spells an array's bounds out item
+#: by item before any of its own limits apply (10,000: ~30 ms; a ``maxItems`` of 10,000,000: a minute, and a
+#: ``minItems`` of 2**31 - 1 gigabytes until the process is killed)
+MAX_ARRAY_BOUNDS = 10_000
 #: verdicts remembered (the least recently used forgotten first)
 REMEMBERED_VERDICTS = 1024
 
@@ -38,19 +42,23 @@ class SchemaChecker:
         self._remembered = remembered
         #: schema text -> "" (usable) or why not
         self._verdicts: OrderedDict[str, str] = OrderedDict()
+        #: one grammar built at a time: a flood of costly schemas waits here, not in the threads prompts use
+        self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="schema-check")
 
     async def check(self, schema: dict[str, Any], *, param: str, name: str | None = None) -> str:
         """The schema as the JSON text the worker decodes with, or a 400 naming ``param``."""
         if _nesting_exceeds(schema, MAX_NESTING):
             raise invalid_schema(param, name, f"objects and arrays may nest at most {MAX_NESTING} levels")
+        if (bounds := _array_bounds(schema)) > MAX_ARRAY_BOUNDS:
+            raise invalid_schema(param, name, f"its minItems and maxItems add up to {bounds}, and at most "
+                                              f"{MAX_ARRAY_BOUNDS} are accepted")
         text = orjson.dumps(schema).decode()
         if len(text) > MAX_SCHEMA_BYTES:
             raise invalid_schema(param, name, f"it is {len(text)} bytes long, and at most {MAX_SCHEMA_BYTES} are "
                                               "accepted")
         why = self._verdicts.get(text)
         if why is None:
-            why = grammar_error(text) if len(text) <= INLINE_CHECK_BYTES else await asyncio.to_thread(
-                grammar_error, text)
+            why = await asyncio.get_running_loop().run_in_executor(self._builder, grammar_error, text)
             self._remember(text, why)
         else:
             self._verdicts.move_to_end(text)
@@ -83,6 +91,18 @@ def _nesting_exceeds(node: Any, limit: int) -> bool:
         if not level:
             return False
     return any(isinstance(child, dict | list) for child in level)
+
+
+def _array_bounds(node: Any) -> int:
+    """The sum of every ``minItems`` and ``maxItems`` in a schema (walked a level at a time, never recursively)."""
+    total, level = 0, [node]
+    while level:
+        # a negative bound (llguidance refuses it) must not offset a large one
+        total += sum(max(value, 0) for parent in level if isinstance(parent, dict)
+                     for key in ("minItems", "maxItems") if type(value := parent.get(key)) is int)
+        level = [child for parent in level if isinstance(parent, dict | list)
+                 for child in (parent.values() if isinstance(parent, dict) else parent)]
+    return total
 
 
 def invalid_schema(param: str, name: str | None, why: str) -> Exception:

@@ -142,18 +142,44 @@ async def test_verdicts_are_remembered_by_schema_and_the_least_recently_used_for
     assert [orjson.loads(t)["type"] for t in built] == ["string", "integer", "boolean", "integer"]
 
 
-async def test_a_large_schema_is_checked_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_every_new_schema_is_checked_off_the_event_loop_a_cached_one_on_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     import threading
 
     threads: list[str] = []
     monkeypatch.setattr(structured, "grammar_error", lambda text: threads.append(threading.current_thread().name)
                         or "")
-    small = {"type": "string"}
-    large = {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(400)}}
-    assert len(orjson.dumps(large)) > structured.INLINE_CHECK_BYTES
-    await SchemaChecker().check(small, param="p")
-    await SchemaChecker().check(large, param="p")
-    assert threads[0] == threading.current_thread().name and threads[1] != threads[0]
+    # a few hundred bytes of allOf over anyOf take llguidance about a second: size says nothing of the cost
+    small = {"allOf": [{"anyOf": [{"type": "object", "properties": {f"a{i}": {"type": "string"}}},
+                                  {"type": "object", "properties": {f"b{i}": {"type": "integer"}}}]}
+                       for i in range(11)]}
+    checker = SchemaChecker()
+    await checker.check(small, param="p")
+    await checker.check(small, param="p")
+    assert len(threads) == 1 and threads[0] != threading.current_thread().name
+
+
+@pytest.mark.timeout(10)
+async def test_array_bounds_beyond_the_bound_are_refused_before_any_grammar_is_built(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # llguidance spells maxItems out item by item: 10**7 takes it a minute, a minItems of 2**31 - 1 all the memory
+    huge = {"type": "array", "items": {"type": "integer"}, "maxItems": 10**7}
+    with pytest.raises(ApiError) as info:
+        await SchemaChecker().check(huge, param="response_format.json_schema.schema")
+    assert (info.value.param, info.value.code) == ("response_format.json_schema.schema", "invalid_json_schema")
+    assert "maxItems" in info.value.message
+
+    built: list[str] = []
+    monkeypatch.setattr(structured, "grammar_error", lambda text: built.append(text) or "")
+    half = structured.MAX_ARRAY_BOUNDS // 2
+    spread = {"type": "object", "properties": {
+        "a": {"type": "array", "minItems": half, "maxItems": half},
+        "b": {"type": "array", "maxItems": 1, "items": {"type": "array", "minItems": -10**7}}}}
+    with pytest.raises(ApiError):  # the bounds of all its arrays add up, and a negative one takes nothing off
+        await SchemaChecker().check(spread, param="p")
+    assert built == []
+    await SchemaChecker().check(spread["properties"]["a"], param="p")  # at the bound passes
+    assert len(built) == 1
 
 
 # --- the sampling the worker gets -------------------------------------------------------------------------------
