@@ -182,10 +182,15 @@ class PromptBuilder:
         return dict(biases or {})
 
 
+#: the seed vLLM reads as none (it samples from the global generator)
+UNSEEDED = -1
+
+
 def replayable_seed(seed: int | None, temperature: float, json_schema: str | None) -> int | None:
     """A structured output is taken over by replaying it from its prompt (its grammar cannot be entered half-way,
     ``inference_workers/resume.py``): a sample is replayed exactly only with its seed, so one without gets a random
-    one here, kept in the request for every attempt."""
-    if json_schema is None or temperature == 0 or seed is not None:
+    one here, kept in the request for every attempt. A seed of -1 is none to vLLM (``SamplingParams``), so it gets one
+    too."""
+    if json_schema is None or temperature == 0 or seed not in (None, UNSEEDED):
         return seed
     return secrets.randbits(63)

@@ -188,6 +188,7 @@ def test_an_unseeded_structured_sample_gets_a_seed_and_a_seeded_or_greedy_one_ke
     seeds = {replayable_seed(None, 0.8, '{"type":"object"}') for _ in range(8)}
     assert None not in seeds and len(seeds) == 8 and all(0 <= s < 2**63 for s in seeds if s is not None)
     assert replayable_seed(7, 0.8, '{"type":"object"}') == 7
+    assert replayable_seed(-1, 0.8, '{"type":"object"}') not in (None, -1)  # vLLM reads -1 as unseeded
     assert replayable_seed(None, 0.0, '{"type":"object"}') is None
     assert replayable_seed(None, 0.8, None) is None  # free text continues from the prefix, it needs none
 
