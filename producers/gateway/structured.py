@@ -12,6 +12,7 @@ is checked in a thread of its own, off the event loop and away from the threads 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -31,6 +32,9 @@ MAX_NESTING = 64
 #: by item before any of its own limits apply (10,000: ~30 ms; a ``maxItems`` of 10,000,000: a minute, and a
 #: ``minItems`` of 2**31 - 1 gigabytes until the process is killed)
 MAX_ARRAY_BOUNDS = 10_000
+#: llguidance's options read from the schema itself (whitespace, separators, ``lenient``: keywords it does not
+#: implement ignored): the server's to set, not a client's
+GRAMMAR_OPTIONS = "x-guidance"
 #: verdicts remembered (the least recently used forgotten first)
 REMEMBERED_VERDICTS = 1024
 
@@ -40,8 +44,8 @@ class SchemaChecker:
 
     def __init__(self, remembered: int = REMEMBERED_VERDICTS) -> None:
         self._remembered = remembered
-        #: schema text -> "" (usable) or why not
-        self._verdicts: OrderedDict[str, str] = OrderedDict()
+        #: the schema text's SHA-256 -> "" (usable) or why not
+        self._verdicts: OrderedDict[bytes, str] = OrderedDict()
         #: one grammar built at a time: a flood of costly schemas waits here, not in the threads prompts use
         self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="schema-check")
 
@@ -52,22 +56,26 @@ class SchemaChecker:
         if (bounds := _array_bounds(schema)) > MAX_ARRAY_BOUNDS:
             raise invalid_schema(param, name, f"its minItems and maxItems add up to {bounds}, and at most "
                                               f"{MAX_ARRAY_BOUNDS} are accepted")
+        if GRAMMAR_OPTIONS in schema:
+            raise invalid_schema(param, name, f"'{GRAMMAR_OPTIONS}' is not accepted: the server sets how answers "
+                                              "are decoded")
         text = orjson.dumps(schema).decode()
         if len(text) > MAX_SCHEMA_BYTES:
             raise invalid_schema(param, name, f"it is {len(text)} bytes long, and at most {MAX_SCHEMA_BYTES} are "
                                               "accepted")
-        why = self._verdicts.get(text)
+        digest = hashlib.sha256(text.encode()).digest()  # what is remembered: 1,024 large schemas would be MBs
+        why = self._verdicts.get(digest)
         if why is None:
             why = await asyncio.get_running_loop().run_in_executor(self._builder, grammar_error, text)
-            self._remember(text, why)
+            self._remember(digest, why)
         else:
-            self._verdicts.move_to_end(text)
+            self._verdicts.move_to_end(digest)
         if why:
             raise invalid_schema(param, name, why)
         return text
 
-    def _remember(self, text: str, why: str) -> None:
-        self._verdicts[text] = why
+    def _remember(self, digest: bytes, why: str) -> None:
+        self._verdicts[digest] = why
         while len(self._verdicts) > self._remembered:
             self._verdicts.popitem(last=False)
 

@@ -225,3 +225,11 @@ def test_a_malformed_logit_bias_is_a_400_naming_it(bias: dict[str, Any], param: 
 
 def test_too_many_biased_tokens_are_refused() -> None:
     assert refused(lambda: chat(logit_bias={str(i): 1 for i in range(301)})).param == "logit_bias"
+
+
+async def test_a_schema_setting_the_grammars_own_options_is_refused() -> None:
+    lenient = {"type": "object", "x-guidance": {"lenient": True, "whitespace_flexible": True}}
+    with pytest.raises(ApiError) as info:
+        await SchemaChecker().check(lenient, param="response_format.json_schema.schema")
+    assert (info.value.param, info.value.code) == ("response_format.json_schema.schema", "invalid_json_schema")
+    assert "x-guidance" in info.value.message
