@@ -1,16 +1,17 @@
-"""The Conversations API use case: create, retrieve, update, delete, list, and read a conversation's items.
+"""The Conversations API use case: create, retrieve, update, delete, list, and a conversation's items (list, read,
+add, delete).
 
 Turns are appended by the conversation writer from the log (``stream_processors/store``), never here: a gateway
-creates a conversation (with its initial items) and reads. Everything is within the caller's org: another org's
-id is answered as unknown (404), as is a deleted one, at once.
+creates a conversation (with its initial items), adds and deletes a client's items, and reads. Everything is within
+the caller's org: another org's id is answered as unknown (404), as is a deleted one, at once.
 
-Writes that keep something are admitted and bounded (issue 37 H3): a create and a metadata update are requests of
-the key's and the org's rate limits (one request each, no tokens: ``Admission``, before the body is even parsed),
-each item of a create holds at most ``gateway.conversation_item_max_chars``, and what the org's conversations keep
-stays within its tier's ``conversation_storage_bytes`` (counted by the store). They are not billed: a
-conversation's items are billed as prompt tokens when a turn uses them, as OpenAI's; storage is bounded by the
-quota instead of priced. Conversations have no TTL, as OpenAI's: the quota alone bounds them, and no conversation
-a client returns to after months is lost.
+Writes are admitted and bounded (issue 37 H3): a create, a metadata update, an items create and an item delete are
+requests of the key's and the org's rate limits (one request each, no tokens: ``Admission``, before the body is even
+parsed), each item a client writes holds at most ``gateway.conversation_item_max_chars``, and what the org's
+conversations keep stays within its tier's ``conversation_storage_bytes`` (counted by the store). They are not
+billed: a conversation's items are billed as prompt tokens when a turn uses them, as OpenAI's; storage is bounded by
+the quota instead of priced. Conversations have no TTL, as OpenAI's: the quota alone bounds them, and no
+conversation a client returns to after months is lost.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any, TypeVar
 from producers.gateway.admission import Admission
 from producers.gateway.errors import ApiError, bad_request, unavailable
 from producers.gateway.pending_writes import PendingWrites
-from producers.gateway.responses_protocol import ConversationCreate
+from producers.gateway.responses_protocol import ConversationCreate, ConversationItemsCreate
 from producers.gateway.stored import STORE_ERRORS, list_page
 from producers.gateway.turns import conversation_not_found
 from runtime.settings import TierTable
@@ -88,6 +89,38 @@ class ConversationService:
 
     async def get(self, conversation_id: str, key: ApiKey) -> dict[str, Any]:
         return conversation_object(await self._conversation(conversation_id, key))
+
+    async def add_items(self, conversation_id: str, body: Callable[[], ConversationItemsCreate], key: ApiKey
+                        ) -> dict[str, Any]:
+        """A client's items, after the conversation's newest (OpenAI's ``conversations.items.create``): one write
+        of the key's limits, held to the org's storage quota; parsed once admitted."""
+        self._check(conversation_id)
+        async with self._admitted(key):
+            parsed = body()
+            await self._conversation(conversation_id, key)
+            batch, at = uuid.uuid4().hex, utcnow()
+            items = [Item(input_item_id(batch, i), m.role, m.text(), at, i) for i, m in enumerate(parsed.items)]
+            self._check_items(items)
+            await self._within_quota(key, sum(map(item_bytes, items)))
+            if not await _stored(self._store.append(conversation_id, items)):
+                raise conversation_not_found(conversation_id, "conversation_id")  # deleted meanwhile
+        return list_page([item_object(i) for i in items], False)
+
+    async def delete_item(self, conversation_id: str, item_id: str, key: ApiKey) -> dict[str, Any]:
+        """Delete one item (OpenAI's ``conversations.items.delete``): answers the conversation. Its storage is
+        given back; a turn's item answered a moment ago is waited for first (it may not be written yet)."""
+        self._check(conversation_id)
+        if not plausible(item_id, ITEM_PREFIX):
+            raise item_not_found(item_id)
+        async with self._admitted(key):
+            conversation = await self._conversation(conversation_id, key)
+            await self._written(conversation_id, key)
+            deleted = await _stored(self._store.delete_item(conversation_id, key.org_id, item_id))
+        if deleted is None:
+            raise conversation_not_found(conversation_id, "conversation_id")
+        if not deleted:
+            raise item_not_found(item_id)
+        return conversation_object(conversation)
 
     async def update(self, conversation_id: str, metadata: Callable[[], dict[str, str]], key: ApiKey
                      ) -> dict[str, Any]:

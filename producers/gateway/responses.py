@@ -24,6 +24,7 @@ from typing import Any
 import orjson
 
 from producers.gateway.admission import Ticket
+from producers.gateway.conversations import item_object
 from producers.gateway.errors import ApiError, unavailable
 from producers.gateway.pending_writes import PendingWrites
 from producers.gateway.prompt import PromptBuilder, replayable_seed
@@ -37,14 +38,15 @@ from producers.gateway.responses_protocol import (
     usage_of,
 )
 from producers.gateway.service import Accepted, ChatService, HandedOver, finished_already, generation_failed
-from producers.gateway.stored import STORE_ERRORS
+from producers.gateway.stored import STORE_ERRORS, list_page
 from producers.gateway.turns import TurnAsk, TurnPlanner, context_exceeded
 from producers.relay.collector import Delta
 from producers.relay.responses_sse import OPENING, ResponseStream
 from runtime.metrics import GATEWAY_HANDOVERS
 from runtime.tenancy import ApiKey
-from schemas.events import ErrorCode, SamplingSpec
-from schemas.ids import RESPONSE_PREFIX, new_response_id, output_item_id, plausible
+from schemas.events import ErrorCode, SamplingSpec, utcnow
+from schemas.ids import RESPONSE_PREFIX, input_item_id, new_response_id, output_item_id, plausible
+from stream_processors.store.conversations import Item
 from stream_processors.store.responses import ResponseStore, StoredResponse
 
 log = logging.getLogger(__name__)
@@ -107,7 +109,8 @@ class ResponsesService:
             conversation_id=body.conversation_id, background=body.background, store=body.store,
             max_output_tokens=body.max_output_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
             truncation=turn.truncation, truncated_items=turn.truncated_items,
-            metadata=body.metadata or {}, user=body.user, text_format=text_format)
+            metadata=body.metadata or {}, user=body.user, text_format=text_format,
+            input_items=[{"role": m.role, "content": m.content} for m in body.input_messages()])
         accepted = await self._chat.submit(request, key, traceparent=traceparent, received_at=received_at,
                                            extra=view.to_json())
         if body.conversation_id is not None:
@@ -232,6 +235,25 @@ class ResponsesService:
         if stored is not None:
             return stored_body(stored)
         return response_object(await self._running(response_id, key), "in_progress")
+
+    async def input_items(self, response_id: str, key: ApiKey, *, after: str | None, limit: int,
+                          ascending: bool) -> dict[str, Any]:
+        """A page of the response's new input (OpenAI's ``responses.input_items.list``): from its stored row, or from
+        its stream's record while it is still being generated."""
+        read = partial(self._row, response_id, key)
+        stored = await (self._pending.row(response_id, key.org_id, read) if self._pending is not None else read())
+        inputs = stored.input_items if stored is not None else (await self._running(response_id, key)).input_items
+        at = utcnow()
+        items = [Item(input_item_id(response_id, i), m["role"], m["content"], at, i) for i, m in enumerate(inputs)]
+        if not ascending:
+            items.reverse()
+        if after is not None:
+            ids = [item.item_id for item in items]
+            if after not in ids:
+                raise ApiError(404, f"No input item with id '{after}' in this response.", param="after",
+                               code="not_found")
+            items = items[ids.index(after) + 1:]
+        return list_page([item_object(item) for item in items[:limit]], len(items) > limit)
 
     async def resume(self, response_id: str, key: ApiKey, *, starting_after: int, traceparent: str
                      ) -> tuple[Accepted, ResponseView]:

@@ -256,6 +256,14 @@ class ConversationCreate(BaseModel):
     items: Annotated[list[InputMessage], Field(max_length=20)] | None = None
 
 
+class ConversationItemsCreate(BaseModel):
+    """``POST /v1/conversations/{id}/items``: up to 20 messages a call, as OpenAI's."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    items: Annotated[list[InputMessage], Field(min_length=1, max_length=20)]
+
+
 class ConversationUpdate(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
@@ -288,6 +296,8 @@ class ResponseView:
     user: str | None = None
     #: ``text.format`` as the request gave it (None: plain text)
     text_format: dict[str, Any] | None = None
+    #: the turn's new input, ``[{"role", "content"}]``: ``input_items`` of a response not stored yet
+    input_items: list[dict[str, str]] = field(default_factory=list)
 
     def to_json(self) -> str:
         return orjson.dumps(asdict(self)).decode()

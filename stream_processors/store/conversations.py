@@ -71,8 +71,12 @@ _CQL = {
     "owned_older": _OWNED + " AND (created_at, conversation_id) < (?, ?) LIMIT ?",
     "put_pointer": "INSERT INTO {ks}.conversation_items_by_id (conversation_id, item_id, created_at, seq) "
                    "VALUES (?, ?, ?, ?)",
-    "pointers": "SELECT item_id, created_at, seq FROM {ks}.conversation_items_by_id WHERE conversation_id = ? "
-                "AND item_id IN ?",
+    "pointers": "SELECT item_id, created_at, seq, deleted FROM {ks}.conversation_items_by_id "
+                "WHERE conversation_id = ? AND item_id IN ?",
+    "bury_pointer": "UPDATE {ks}.conversation_items_by_id SET deleted = true WHERE conversation_id = ? "
+                    "AND item_id = ? IF deleted = null",
+    "drop_item": "DELETE FROM {ks}.conversation_items WHERE conversation_id = ? AND month = ? AND created_at = ? "
+                 "AND seq = ? AND item_id = ?",
     "drop_pointers": "DELETE FROM {ks}.conversation_items_by_id WHERE conversation_id = ?",
     "put_item": "INSERT INTO {ks}.conversation_items (conversation_id, month, " + _ITEM + ") "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -237,17 +241,44 @@ class ConversationStore:
 
     # --- items -----------------------------------------------------------------------------------------
 
-    async def append(self, conversation_id: str, items: list[Item]) -> None:
-        """Add one turn's items (the writer); an upsert by item id: a redelivery rewrites the same rows, and an
-        item keeps the position of its first write. Nothing is written to a deleted or unknown conversation."""
+    async def append(self, conversation_id: str, items: list[Item]) -> bool:
+        """Add one turn's items (the writer, or a client's items create); an upsert by item id: a redelivery
+        rewrites the same rows, an item keeps the position of its first write, and a deleted item stays deleted.
+        Nothing is written to a deleted or unknown conversation (False)."""
         row = await self._row(conversation_id)
         if row is None or row["deleted_at"] is not None:
-            return
+            return False
         months = set(row["months"] or ())
         for start in range(0, len(items), APPEND_SLICE):
             if not await self._append(conversation_id, row["org_id"], items[start:start + APPEND_SLICE],
                                       months):
-                return
+                return False
+        return True
+
+    async def delete_item(self, conversation_id: str, org_id: str, item_id: str) -> bool | None:
+        """Delete one item of an org's live conversation (None when :meth:`get` would be None; False: no such
+        item, or deleted already). Its pointer is marked first, so that one delete of two at once gives its storage
+        back and a redelivered turn never writes it again; a crash before its row is gone leaves the row listed
+        until the delete is retried (which finishes it and answers 404), and one before the storage is given
+        back counts it until the conversation is purged."""
+        if await self._live(conversation_id, org_id) is None:
+            return None
+        pointers = await self._run("pointers", [conversation_id, [item_id]])
+        if not pointers:
+            return False
+        at, seq = _aware(pointers[0]["created_at"]), pointers[0]["seq"]
+        key = [conversation_id, month_of(at), at, seq, item_id]
+        if pointers[0]["deleted"]:
+            await self._run("drop_item", key)  # a delete that crashed half-way, finished
+            return False
+        rows = await self._run("item", key)
+        buried = await self._run("bury_pointer", [conversation_id, item_id])
+        if not buried[0]["[applied]"]:
+            return False  # a concurrent delete won
+        if rows:
+            await self._count(org_id, conversation_id, -item_bytes(_item(rows[0])))
+        await self._run("drop_item", key)
+        return True
 
     async def _append(self, conversation_id: str, org_id: str, items: list[Item], months: set[str]) -> bool:
         """False: the conversation was deleted (or purged) since it was read."""
@@ -269,11 +300,13 @@ class ConversationStore:
         return True
 
     async def _placed(self, conversation_id: str, items: list[Item]) -> tuple[list[Item], set[str]]:
-        """The items at the positions they were first written at (their own for new ones), and the ids of the new."""
+        """The items at the positions they were first written at (their own for new ones), and the ids of the new;
+        an item deleted since is left out."""
         rows = await self._run("pointers", [conversation_id, [item.item_id for item in items]])
         first = {r["item_id"]: (_aware(r["created_at"]), r["seq"]) for r in rows}
+        deleted = {r["item_id"] for r in rows if r["deleted"]}
         placed = [replace(i, created_at=first[i.item_id][0], seq=first[i.item_id][1]) if i.item_id in first else i
-                  for i in items]
+                  for i in items if i.item_id not in deleted]
         return placed, {i.item_id for i in items if i.item_id not in first}
 
     async def items(self, conversation_id: str, org_id: str, *, after: str | None, limit: int,
@@ -292,7 +325,7 @@ class ConversationStore:
         if await self._live(conversation_id, org_id) is None:
             return None
         pointers = await self._run("pointers", [conversation_id, [item_id]])
-        if not pointers:
+        if not pointers or pointers[0]["deleted"]:
             return None
         at = _aware(pointers[0]["created_at"])
         rows = await self._run("item", [conversation_id, month_of(at), at, pointers[0]["seq"], item_id])
@@ -308,7 +341,7 @@ class ConversationStore:
 
     async def _cursor(self, conversation_id: str, item_id: str) -> Cursor:
         rows = await self._run("pointers", [conversation_id, [item_id]])
-        if not rows:
+        if not rows or rows[0]["deleted"]:
             raise KeyError(item_id)
         return _aware(rows[0]["created_at"]), rows[0]["seq"], item_id
 

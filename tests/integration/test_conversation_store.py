@@ -295,6 +295,64 @@ async def test_the_purge_gives_a_deleted_conversations_storage_back(store: Conve
     assert await store.storage_used(org) == both // 2
 
 
+async def test_a_deleted_item_is_gone_from_every_read_and_gives_its_storage_back(store: ConversationStore) -> None:
+    org = uid("org")
+    conv = conversation(org)
+    first = turn(conv.created_at, "question", "answer")
+    await store.create(conv, first)
+    before = await store.storage_used(org)
+
+    assert await store.delete_item(conv.conversation_id, org, first[0].item_id) is True
+    assert await store.get_item(conv.conversation_id, org, first[0].item_id) is None
+    page = await store.items(conv.conversation_id, org, after=None, limit=10, ascending=True)
+    assert texts(page.items) == ["answer"]
+    assert texts(await store.history(conv.conversation_id, max_items=10)) == ["answer"]
+    assert await store.storage_used(org) == before - ITEM_BYTES - len("question")
+    with pytest.raises(KeyError):  # no longer a cursor
+        await store.items(conv.conversation_id, org, after=first[0].item_id, limit=10, ascending=True)
+
+    assert await store.delete_item(conv.conversation_id, org, first[0].item_id) is False  # once
+    assert await store.delete_item(conv.conversation_id, org, uid("msg")) is False
+    assert await store.delete_item(conv.conversation_id, uid("org"), first[1].item_id) is None  # not its org's
+    assert await store.storage_used(org) == before - ITEM_BYTES - len("question")
+
+
+async def test_a_redelivered_turn_does_not_bring_a_deleted_item_back(store: ConversationStore) -> None:
+    org = uid("org")
+    conv = conversation(org)
+    await store.create(conv, [])
+    answered = turn(conv.created_at, "q", "a")
+    await store.append(conv.conversation_id, answered)
+    await store.delete_item(conv.conversation_id, org, answered[1].item_id)
+    used = await store.storage_used(org)
+
+    assert await store.append(conv.conversation_id, answered)  # the writer's redelivery after a crash
+    page = await store.items(conv.conversation_id, org, after=None, limit=10, ascending=True)
+    assert texts(page.items) == ["q"]
+    assert await store.storage_used(org) == used
+
+
+async def test_two_deletes_of_one_item_at_once_give_its_storage_back_once(store: ConversationStore) -> None:
+    org = uid("org")
+    conv = conversation(org)
+    items = turn(conv.created_at, "x" * 1000)
+    await store.create(conv, items)
+    used = await store.storage_used(org)
+    results = await asyncio.gather(*(store.delete_item(conv.conversation_id, org, items[0].item_id)
+                                     for _ in range(4)))
+    assert sorted(results) == [False, False, False, True]
+    assert await store.storage_used(org) == used - ITEM_BYTES - 1000
+
+
+async def test_items_cannot_be_added_to_a_deleted_conversation(store: ConversationStore) -> None:
+    org = uid("org")
+    conv = conversation(org)
+    await store.create(conv, [])
+    assert await store.append(conv.conversation_id, turn(conv.created_at, "kept"))
+    await store.delete(conv.conversation_id, org)
+    assert not await store.append(conv.conversation_id, turn(conv.created_at, "too late"))
+
+
 def test_purge_cli(stack: Settings) -> None:
     result = CliRunner().invoke(kns, ["conversations", "purge", "--after-days", "30"])
     assert result.exit_code == 0, result.output

@@ -12,7 +12,7 @@ from producers.gateway.deps import Caller, Context
 from producers.gateway.errors import CALLER_ERRORS, READ_LIMITED, error_responses
 from producers.gateway.openapi import links
 from producers.gateway.protocol import openapi_schema
-from producers.gateway.responses_protocol import ConversationCreate, ConversationUpdate
+from producers.gateway.responses_protocol import ConversationCreate, ConversationItemsCreate, ConversationUpdate
 from producers.gateway.routes.chat import bearer, parse_json
 
 router = APIRouter(dependencies=[Depends(bearer)], responses=CALLER_ERRORS)
@@ -89,6 +89,24 @@ async def list_items(conversation_id: str, ctx: Context, key: Caller, after: str
                      limit: int = Limit, order: Literal["asc", "desc"] = Query(default="desc")) -> dict[str, Any]:
     await ctx.admission.admit_read(key)
     return await ctx.conversations.items(conversation_id, key, after=after, limit=limit, ascending=order == "asc")
+
+
+@router.post("/v1/conversations/{conversation_id}/items", operation_id="createConversationItems", responses={
+    200: {"description": "The items added, after the conversation's newest.",
+          **links(GetConversationItem=("getConversationItem", {"conversation_id": "$request.path.conversation_id",
+                                                                "item_id": "$response.body#/data/0/id"}),
+                  DeleteConversationItem=("deleteConversationItem", {
+                      "conversation_id": "$request.path.conversation_id", "item_id": "$response.body#/data/0/id"}))},
+    **_ERRORS, **_WRITES}, openapi_extra=_body(ConversationItemsCreate))
+async def create_items(conversation_id: str, request: Request, ctx: Context, key: Caller) -> dict[str, Any]:
+    raw = await request.body()
+    return await ctx.conversations.add_items(conversation_id, lambda: parse_json(raw, ConversationItemsCreate), key)
+
+
+@router.delete("/v1/conversations/{conversation_id}/items/{item_id}", operation_id="deleteConversationItem",
+               responses={**_ERRORS, **_WRITES})
+async def delete_item(conversation_id: str, item_id: str, ctx: Context, key: Caller) -> dict[str, Any]:
+    return await ctx.conversations.delete_item(conversation_id, item_id, key)
 
 
 @router.get("/v1/conversations/{conversation_id}/items/{item_id}", operation_id="getConversationItem",

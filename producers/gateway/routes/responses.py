@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
@@ -99,6 +99,16 @@ async def get_response(
     return EventStreamResponse(ctx.responses.stream(accepted, view, starting_after=after),
                                headers={"x-request-id": response_id, "traceparent": traceparent,
                                         "cache-control": "no-cache"})
+
+
+@router.get("/v1/responses/{response_id}/input_items", dependencies=[Depends(bearer)],
+            operation_id="listResponseInputItems", responses={**_READ, **READ_LIMITED})
+async def list_input_items(response_id: str, ctx: Context, key: Caller,
+                           after: str | None = Query(default=None, min_length=1, max_length=256),
+                           limit: int = Query(default=20, ge=1, le=100),
+                           order: Literal["asc", "desc"] = Query(default="desc")) -> dict[str, Any]:
+    await ctx.admission.admit_read(key)
+    return await ctx.responses.input_items(response_id, key, after=after, limit=limit, ascending=order == "asc")
 
 
 @router.post("/v1/responses/{response_id}/cancel", dependencies=[Depends(bearer)], responses={
