@@ -214,7 +214,7 @@ class ConversationService:
             return
 
         async def item_written(item_id: str) -> bool:
-            return await _stored(self._store.get_item(conversation_id, key.org_id, item_id)) is not None
+            return await _stored(self._store.written(conversation_id, key.org_id, item_id))
 
         await self._pending.turn(conversation_id, item_written, lambda: self._conversation(conversation_id, key))
 

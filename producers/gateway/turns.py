@@ -144,7 +144,7 @@ class TurnPlanner:
             return
         item_id = output_item_id(str(previous))
         deadline = time.monotonic() + self._settings.turn_wait_s
-        while await self._conversations.get_item(conversation_id, org_id, item_id) is None:
+        while not await self._conversations.written(conversation_id, org_id, item_id):
             if await self._ended_unanswered(str(previous), org_id):
                 return  # it failed or was cancelled: it will not be appended
             if time.monotonic() >= deadline:
@@ -156,7 +156,7 @@ class TurnPlanner:
         GATEWAY_TURN_WAITS.labels(outcome="written").inc()
 
     async def _item_written(self, conversation_id: str, org_id: str, item_id: str) -> bool:
-        return await self._conversations.get_item(conversation_id, org_id, item_id) is not None
+        return await self._conversations.written(conversation_id, org_id, item_id)
 
     async def _ended_unanswered(self, response_id: str, org_id: str) -> bool:
         """A Responses turn whose row says it ended without an answer to append (a chat turn has no row)."""

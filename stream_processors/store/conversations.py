@@ -271,10 +271,11 @@ class ConversationStore:
         if pointers[0]["deleted"]:
             await self._run("drop_item", key)  # a delete that crashed half-way, finished
             return False
-        rows = await self._run("item", key)
         buried = await self._run("bury_pointer", [conversation_id, item_id])
         if not buried[0]["[applied]"]:
             return False  # a concurrent delete won
+        # The row read after the mark: an append that wrote it before then counted it, and one after does not.
+        rows = await self._run("item", key)
         if rows:
             await self._count(org_id, conversation_id, -item_bytes(_item(rows[0])))
         await self._run("drop_item", key)
@@ -295,9 +296,20 @@ class ConversationStore:
         await asyncio.gather(*(self._run("put_item", [conversation_id, month_of(i.created_at), i.created_at, i.seq,
                                                       i.item_id, i.role, i.text, i.response_id, i.status])
                                for i in placed))
+        # An item whose delete marked its pointer meanwhile (after the pointers were read) loses the row this
+        # append wrote again, and is not counted: its delete reads the row after its mark, and gives back only
+        # what it finds then.
+        buried = await self._buried(conversation_id, [i.item_id for i in placed])
+        await asyncio.gather(*(self._run("drop_item", [conversation_id, month_of(i.created_at), i.created_at, i.seq,
+                                                       i.item_id]) for i in placed if i.item_id in buried))
         # Counted once made, and only the items new to the conversation: a redelivered turn rewrites its rows
-        await self._count(org_id, conversation_id, sum(item_bytes(i) for i in placed if i.item_id in new))
+        await self._count(org_id, conversation_id,
+                          sum(item_bytes(i) for i in placed if i.item_id in new and i.item_id not in buried))
         return True
+
+    async def _buried(self, conversation_id: str, item_ids: list[str]) -> set[str]:
+        rows = await self._run("pointers", [conversation_id, item_ids]) if item_ids else []
+        return {r["item_id"] for r in rows if r["deleted"]}
 
     async def _placed(self, conversation_id: str, items: list[Item]) -> tuple[list[Item], set[str]]:
         """The items at the positions they were first written at (their own for new ones), and the ids of the new;
@@ -330,6 +342,19 @@ class ConversationStore:
         at = _aware(pointers[0]["created_at"])
         rows = await self._run("item", [conversation_id, month_of(at), at, pointers[0]["seq"], item_id])
         return _item(rows[0]) if rows else None
+
+    async def written(self, conversation_id: str, org_id: str, item_id: str) -> bool:
+        """Whether the item of an org's live conversation was appended: readable, or deleted since (a reader
+        waiting for a turn's answer must not wait for one its client deleted)."""
+        if await self._live(conversation_id, org_id) is None:
+            return False
+        pointers = await self._run("pointers", [conversation_id, [item_id]])
+        if not pointers:
+            return False
+        if pointers[0]["deleted"]:
+            return True
+        at = _aware(pointers[0]["created_at"])
+        return bool(await self._run("item", [conversation_id, month_of(at), at, pointers[0]["seq"], item_id]))
 
     async def history(self, conversation_id: str, *, max_items: int) -> list[Item]:
         """The newest ``max_items`` items of a live conversation, oldest first (a turn's prompt)."""

@@ -68,6 +68,9 @@ class Conversations:
     async def get_item(self, conversation_id: str, org_id: str, item_id: str) -> Item | None:
         return None
 
+    async def written(self, conversation_id: str, org_id: str, item_id: str) -> bool:
+        return False
+
     async def history(self, conversation_id: str, *, max_items: int) -> list[Item]:
         return self._history[-max_items:]
 
