@@ -9,6 +9,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -330,6 +331,38 @@ async def test_a_redelivered_turn_does_not_bring_a_deleted_item_back(store: Conv
     page = await store.items(conv.conversation_id, org, after=None, limit=10, ascending=True)
     assert texts(page.items) == ["q"]
     assert await store.storage_used(org) == used
+
+
+@pytest.mark.parametrize("redelivered", [False, True])
+async def test_an_append_racing_an_item_delete_neither_brings_it_back_nor_counts_it(
+        store: ConversationStore, monkeypatch: pytest.MonkeyPatch, redelivered: bool) -> None:
+    """The delete lands between the writer's pointers and its rows (a client knows an answer's id before the
+    writer appends it), on the first append or on a redelivery after a crash."""
+    org = uid("org")
+    conv = conversation(org)
+    await store.create(conv, [])
+    question, answer = turn(conv.created_at, "q" * 10, "a" * 100)
+    if redelivered:
+        await store.append(conv.conversation_id, [question, answer])
+    run = store._run
+    raced = False
+
+    async def deleting_before_the_answers_row(name: str, params: Any) -> Any:
+        nonlocal raced
+        if name == "put_item" and answer.item_id in params and not raced:
+            raced = True
+            await store.delete_item(conv.conversation_id, org, answer.item_id)
+        return await run(name, params)
+
+    monkeypatch.setattr(store, "_run", deleting_before_the_answers_row)
+    await store.append(conv.conversation_id, [question, answer])
+    monkeypatch.setattr(store, "_run", run)
+    assert raced
+    page = await store.items(conv.conversation_id, org, after=None, limit=10, ascending=True)
+    assert texts(page.items) == ["q" * 10]
+    assert texts(await store.history(conv.conversation_id, max_items=10)) == ["q" * 10]
+    assert await store.get_item(conv.conversation_id, org, answer.item_id) is None
+    assert await store.storage_used(org) == CONVERSATION_BYTES + ITEM_BYTES + 10  # what is kept, exactly
 
 
 async def test_two_deletes_of_one_item_at_once_give_its_storage_back_once(store: ConversationStore) -> None:

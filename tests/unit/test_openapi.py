@@ -47,8 +47,9 @@ def operations(document: dict[str, Any]) -> dict[str, tuple[str, str, dict[str, 
 CREATES = {
     "createChatCompletion": {"getChatCompletion", "getChatCompletionMessages", "cancelChatCompletion",
                              "deleteChatCompletion"},
-    "createResponse": {"getResponse", "cancelResponse", "deleteResponse"},
-    "createConversation": {"getConversation", "updateConversation", "listConversationItems", "deleteConversation"},
+    "createResponse": {"getResponse", "cancelResponse", "deleteResponse", "listResponseInputItems"},
+    "createConversation": {"getConversation", "updateConversation", "listConversationItems", "deleteConversation",
+                           "createConversationItems"},
 }
 
 

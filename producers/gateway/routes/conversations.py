@@ -40,6 +40,7 @@ _CREATED: dict[int | str, dict[str, Any]] = {200: {"description": "The conversat
     GetConversation=("getConversation", {"conversation_id": _CONVERSATION}),
     UpdateConversation=("updateConversation", {"conversation_id": _CONVERSATION}),
     ListConversationItems=("listConversationItems", {"conversation_id": _CONVERSATION}),
+    CreateConversationItems=("createConversationItems", {"conversation_id": _CONVERSATION}),
     DeleteConversation=("deleteConversation", {"conversation_id": _CONVERSATION}))}}
 
 

@@ -30,6 +30,7 @@ _CREATE = {
           **links(GetResponse=("getResponse", {"response_id": CREATED_ID}),
                   ResumeResponseStream=("getResponse", {"response_id": CREATED_ID, "stream": True}),
                   CancelResponse=("cancelResponse", {"response_id": CREATED_ID}),
+                  ListResponseInputItems=("listResponseInputItems", {"response_id": CREATED_ID}),
                   DeleteResponse=("deleteResponse", {"response_id": CREATED_ID}))},
     **error_responses({
         400: "Invalid request: a malformed body, an unsupported parameter or input item, an input beyond the "
