@@ -8,7 +8,8 @@ that do not decide whether a body is valid change, and only in the bodies of the
 * an integer token count above the cap is lowered to it (a missing one is added, otherwise the gateway would allow
   the whole context), and ``min_tokens`` follows it down;
 * a string ``model`` becomes the served one (``KNS_ST_MODEL``), so that valid bodies reach the engine instead of a
-  404;
+  404, and a ``logit_bias`` key (a token id) one of its tokens (below ``KNS_ST_VOCABULARY``: the document cannot
+  say which model's ids are valid);
 * in the stateful phase, a valid create is stored (``store: true``): its links lead to reads, cancels and deletes of
   a stored object, which a completion that is not stored is not (a 404 there is right, and says nothing).
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from typing import Any
 
 import schemathesis
@@ -55,6 +57,14 @@ def served_model(body: dict[str, Any]) -> None:
         body["model"] = os.environ["KNS_ST_MODEL"]
 
 
+def served_tokens(body: dict[str, Any]) -> None:
+    bias = body.get("logit_bias")
+    if isinstance(bias, dict):
+        vocabulary = int(os.environ["KNS_ST_VOCABULARY"])
+        body["logit_bias"] = {str(int(token) % vocabulary) if re.fullmatch("[1-9][0-9]*", token) else token: value
+                              for token, value in bias.items()}
+
+
 def stored(body: dict[str, Any]) -> None:
     if body.get("store") in (None, False):
         body["store"] = True
@@ -70,6 +80,7 @@ def before_call(context: schemathesis.HookContext, case: schemathesis.Case, kwar
     body = copy.deepcopy(case.body)
     cap_tokens(body, fields)
     served_model(body)
+    served_tokens(body)
     meta = case.meta
     if meta is not None and meta.phase.name == TestPhase.STATEFUL and meta.generation.mode.is_positive:
         stored(body)
